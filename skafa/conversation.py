@@ -1,0 +1,387 @@
+"""Data model: a failed multi-agent run as an immutable, validated :class:`Conversation`.
+
+A :class:`Conversation` is one sample for every skafa estimator. Its turns are
+:class:`Turn` objects (speaker, content, and the source's original role), and its
+label is ``mistake_step``: the 0-based index of the decisive turn.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+__all__ = ["Turn", "Conversation", "ConversationError"]
+
+
+class ConversationError(ValueError):
+    """Raised when a record cannot become a valid :class:`Conversation`.
+
+    The message always names the record (when known) and the offending field.
+    """
+
+
+def _where(record_id: str | None) -> str:
+    return f"record {record_id!r}" if record_id is not None else "conversation"
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn of a multi-agent conversation.
+
+    Parameters
+    ----------
+    speaker : str
+        Who spoke (the agent name, e.g. ``"WebSurfer"`` or ``"Orchestrator (thought)"``).
+    content : str
+        What was said. May be empty but must be text.
+    role : str or None, default=None
+        The source's original role field (e.g. ``"assistant"``) when it has one.
+    """
+
+    speaker: str
+    content: str
+    role: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.speaker, str) or not self.speaker.strip():
+            raise ConversationError(
+                f"Turn.speaker must be a non-empty string, got {self.speaker!r}."
+            )
+        if not isinstance(self.content, str):
+            raise ConversationError(
+                f"Turn.content must be a string, got {type(self.content).__name__}."
+            )
+        if self.role is not None and not isinstance(self.role, str):
+            raise ConversationError(
+                f"Turn.role must be a string or None, got {type(self.role).__name__}."
+            )
+
+    def to_dict(self) -> dict:
+        """Return a JSON-serialisable dict (``speaker``, ``content``, ``role``)."""
+        return {"speaker": self.speaker, "content": self.content, "role": self.role}
+
+
+@dataclass(frozen=True, eq=True)
+class Conversation:
+    """A (usually failed) multi-agent run: the sample unit of skafa.
+
+    Parameters
+    ----------
+    turns : sequence of Turn
+        The turns in order; at least one.
+    task : str, default=""
+        The task the agents were given.
+    expected_answer : str, default=""
+        The expected final answer (Who&When's ``ground_truth``).
+    task_id : str or None, default=None
+        Identifier of the task. Several runs can share a task, so use it as the
+        ``groups`` of a grouped splitter.
+    mistake_step : int or None, default=None
+        0-based index of the decisive turn, when labelled.
+    mistake_agent : str or None, default=None
+        The annotated responsible agent, when labelled. It usually, but not always,
+        equals ``turns[mistake_step].speaker``.
+    record_id : str or None, default=None
+        Where the record came from (e.g. ``"Algorithm-Generated/12"``); used in errors.
+    metadata : mapping, default={}
+        Free metadata (read-only view). Not used by any estimator, not compared.
+
+    Examples
+    --------
+    >>> from skafa import Conversation, Turn
+    >>> conv = Conversation([Turn("planner", "Let's search."), Turn("coder", "print(1)")],
+    ...                     task="Print one.", mistake_step=1)
+    >>> len(conv), conv.speakers
+    (2, ('planner', 'coder'))
+    """
+
+    turns: tuple[Turn, ...]
+    task: str = ""
+    expected_answer: str = ""
+    task_id: str | None = None
+    mistake_step: int | None = None
+    mistake_agent: str | None = None
+    record_id: str | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        where = _where(self.record_id)
+        if isinstance(self.turns, (str, bytes)) or not isinstance(self.turns, Sequence):
+            raise ConversationError(f"{where}: 'turns' must be a sequence of Turn objects.")
+        turns = tuple(self.turns)
+        if not turns:
+            raise ConversationError(f"{where}: a conversation needs at least one turn.")
+        for i, turn in enumerate(turns):
+            if not isinstance(turn, Turn):
+                raise ConversationError(
+                    f"{where}: turn {i} is a {type(turn).__name__}, not a Turn."
+                )
+        object.__setattr__(self, "turns", turns)
+        for name in ("task", "expected_answer"):
+            value = getattr(self, name)
+            if value is None:
+                object.__setattr__(self, name, "")
+            elif not isinstance(value, str):
+                # Who&When's ground_truth is sometimes a number: keep its text.
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    object.__setattr__(self, name, str(value))
+                else:
+                    raise ConversationError(
+                        f"{where}: field {name!r} must be text, got {type(value).__name__}."
+                    )
+        if self.task_id is not None and not isinstance(self.task_id, str):
+            object.__setattr__(self, "task_id", str(self.task_id))
+        step = self.mistake_step
+        if step is not None:
+            if isinstance(step, bool) or not isinstance(step, int):
+                try:
+                    import numpy as np
+
+                    if isinstance(step, np.integer):
+                        step = int(step)
+                    else:
+                        raise TypeError
+                except TypeError:
+                    raise ConversationError(
+                        f"{where}: field 'mistake_step' must be an int, got {step!r}."
+                    ) from None
+            if not 0 <= step < len(turns):
+                raise ConversationError(
+                    f"{where}: field 'mistake_step'={step} is outside the history "
+                    f"(0..{len(turns) - 1})."
+                )
+            object.__setattr__(self, "mistake_step", step)
+        if self.mistake_agent is not None and not isinstance(self.mistake_agent, str):
+            raise ConversationError(f"{where}: field 'mistake_agent' must be text.")
+        if not isinstance(self.metadata, Mapping):
+            raise ConversationError(f"{where}: 'metadata' must be a mapping.")
+        object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
+
+    # ------------------------------------------------------------------ access
+    def __len__(self) -> int:
+        return len(self.turns)
+
+    def __iter__(self):
+        return iter(self.turns)
+
+    def __getitem__(self, i):
+        return self.turns[i]
+
+    def __hash__(self):
+        return hash((self.turns, self.task, self.expected_answer, self.task_id,
+                     self.mistake_step, self.mistake_agent, self.record_id))
+
+    @property
+    def speakers(self) -> tuple[str, ...]:
+        """Speaker of every turn, in order."""
+        return tuple(t.speaker for t in self.turns)
+
+    @property
+    def n_turns(self) -> int:
+        """Number of turns."""
+        return len(self.turns)
+
+    @property
+    def mistake_speaker(self) -> str | None:
+        """Speaker of the decisive turn (``None`` when unlabelled)."""
+        if self.mistake_step is None:
+            return None
+        return self.turns[self.mistake_step].speaker
+
+    def __repr__(self) -> str:
+        label = "" if self.mistake_step is None else f", mistake_step={self.mistake_step}"
+        rid = "" if self.record_id is None else f"record_id={self.record_id!r}, "
+        return f"Conversation({rid}n_turns={len(self)}{label}, task={self.task[:40]!r})"
+
+    # --------------------------------------------------------------- (de)serialise
+    def to_dict(self) -> dict:
+        """Return a JSON-serialisable dict; :meth:`from_dict` inverts it."""
+        return {
+            "turns": [t.to_dict() for t in self.turns],
+            "task": self.task,
+            "expected_answer": self.expected_answer,
+            "task_id": self.task_id,
+            "mistake_step": self.mistake_step,
+            "mistake_agent": self.mistake_agent,
+            "record_id": self.record_id,
+            "metadata": _jsonable(dict(self.metadata)),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> Conversation:
+        """Build a conversation from the output of :meth:`to_dict`."""
+        turns = [Turn(t["speaker"], t["content"], t.get("role")) for t in data["turns"]]
+        return cls(
+            turns,
+            task=data.get("task", ""),
+            expected_answer=data.get("expected_answer", ""),
+            task_id=data.get("task_id"),
+            mistake_step=data.get("mistake_step"),
+            mistake_agent=data.get("mistake_agent"),
+            record_id=data.get("record_id"),
+            metadata=data.get("metadata") or {},
+        )
+
+    @classmethod
+    def from_who_and_when(cls, record: Mapping, *, record_id: str | None = None) -> Conversation:
+        """Build a conversation from one Who&When record (either subset).
+
+        Algorithm-Generated records name the speaker in each turn's ``name``;
+        Hand-Crafted records have no ``name`` and the speaker is ``role``
+        (e.g. ``"Orchestrator (thought)"``). ``mistake_step`` arrives as a string
+        and is converted to an int.
+
+        Parameters
+        ----------
+        record : mapping
+            The parsed JSON record, with keys ``question``, ``ground_truth``,
+            ``question_ID``, ``history``, ``mistake_step``, ``mistake_agent``.
+        record_id : str, optional
+            Name used in error messages and kept as :attr:`record_id`.
+
+        Raises
+        ------
+        ConversationError
+            Naming the record and field: missing keys, empty history, a turn
+            without speaker or with non-text content, a non-integer or
+            out-of-range ``mistake_step``.
+        """
+        where = _where(record_id)
+        if not isinstance(record, Mapping):
+            raise ConversationError(f"{where}: expected a JSON object, got {type(record).__name__}.")
+        required = ("question", "history", "mistake_step", "mistake_agent")
+        missing = [k for k in required if k not in record]
+        if missing:
+            raise ConversationError(f"{where}: missing required field(s) {missing}.")
+        history = record["history"]
+        if not isinstance(history, list):
+            raise ConversationError(f"{where}: field 'history' must be a list of turns.")
+        if not history:
+            raise ConversationError(f"{where}: field 'history' is empty.")
+        turns = []
+        for i, msg in enumerate(history):
+            if not isinstance(msg, Mapping):
+                raise ConversationError(f"{where}: history[{i}] is not an object.")
+            name, role = msg.get("name"), msg.get("role")
+            speaker = name if isinstance(name, str) and name.strip() else role
+            if not isinstance(speaker, str) or not speaker.strip():
+                raise ConversationError(
+                    f"{where}: history[{i}] has no speaker (neither 'name' nor 'role')."
+                )
+            content = msg.get("content")
+            if not isinstance(content, str):
+                raise ConversationError(
+                    f"{where}: history[{i}].content must be text, got "
+                    f"{type(content).__name__}."
+                )
+            turns.append(Turn(speaker, content, role if isinstance(role, str) else None))
+        raw_step = record["mistake_step"]
+        try:
+            if isinstance(raw_step, bool) or isinstance(raw_step, float):
+                raise ValueError
+            step = int(str(raw_step).strip())
+        except ValueError:
+            raise ConversationError(
+                f"{where}: field 'mistake_step'={raw_step!r} is not an integer."
+            ) from None
+        if not 0 <= step < len(turns):
+            raise ConversationError(
+                f"{where}: field 'mistake_step'={step} is outside the history "
+                f"(0..{len(turns) - 1})."
+            )
+        agent = record["mistake_agent"]
+        if not isinstance(agent, str):
+            raise ConversationError(f"{where}: field 'mistake_agent' must be text.")
+        known = {"question", "ground_truth", "question_ID", "history", "mistake_step",
+                 "mistake_agent"}
+        metadata = {k: v for k, v in record.items() if k not in known}
+        return cls(
+            turns,
+            task=record["question"] if record["question"] is not None else "",
+            expected_answer=record.get("ground_truth", ""),
+            task_id=record.get("question_ID"),
+            mistake_step=step,
+            mistake_agent=agent,
+            record_id=record_id,
+            metadata=metadata,
+        )
+
+    @classmethod
+    def from_messages(
+        cls,
+        messages: Sequence[Mapping],
+        *,
+        speaker_key: str = "name",
+        fallback_speaker_key: str | None = "role",
+        task: str = "",
+        expected_answer: str = "",
+        task_id: str | None = None,
+        mistake_step: int | None = None,
+        mistake_agent: str | None = None,
+        record_id: str | None = None,
+        metadata: Mapping | None = None,
+    ) -> Conversation:
+        """Build a conversation from an OpenAI / AG2-style chat history.
+
+        Parameters
+        ----------
+        messages : sequence of dict
+            Each with ``"content"`` and a speaker under ``speaker_key``
+            (or ``fallback_speaker_key`` when that key is absent or empty).
+        speaker_key : str, default="name"
+            Key holding the speaker.
+        fallback_speaker_key : str or None, default="role"
+            Key used when ``speaker_key`` is missing; ``None`` makes it required.
+        task, expected_answer, task_id, mistake_step, mistake_agent, record_id, metadata
+            As in :class:`Conversation`.
+
+        Raises
+        ------
+        ConversationError
+            Naming the message index when a speaker is missing or content is not text
+            (e.g. a tool-call message whose content is ``None``).
+        """
+        where = _where(record_id)
+        if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+            raise ConversationError(f"{where}: 'messages' must be a list of dicts.")
+        if not messages:
+            raise ConversationError(f"{where}: 'messages' is empty.")
+        turns = []
+        for i, msg in enumerate(messages):
+            if not isinstance(msg, Mapping):
+                raise ConversationError(f"{where}: message {i} is not a dict.")
+            speaker = msg.get(speaker_key)
+            if (not isinstance(speaker, str) or not speaker.strip()) and fallback_speaker_key:
+                speaker = msg.get(fallback_speaker_key)
+            if not isinstance(speaker, str) or not speaker.strip():
+                keys = [speaker_key] + ([fallback_speaker_key] if fallback_speaker_key else [])
+                raise ConversationError(f"{where}: message {i} has no speaker under {keys}.")
+            content = msg.get("content")
+            if not isinstance(content, str):
+                raise ConversationError(
+                    f"{where}: message {i} field 'content' must be text, got "
+                    f"{type(content).__name__}."
+                )
+            role = msg.get("role")
+            turns.append(Turn(speaker, content, role if isinstance(role, str) else None))
+        return cls(
+            turns,
+            task=task,
+            expected_answer=expected_answer,
+            task_id=task_id,
+            mistake_step=mistake_step,
+            mistake_agent=mistake_agent,
+            record_id=record_id,
+            metadata=metadata or {},
+        )
+
+
+def _jsonable(value):
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        return json.loads(json.dumps(value, default=str))

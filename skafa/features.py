@@ -1,0 +1,575 @@
+"""Ragged per-turn features: :class:`TurnFeatures`, one entry per conversation.
+
+Layout (CSR-like)::
+
+    values   (n_turns_total, n_sites, n_features)   activations read at several sites
+          or (n_turns_total, n_features)            one block (dense or scipy.sparse)
+    offsets  (n_conversations + 1,)                 turns of conversation i are
+                                                    values[offsets[i]:offsets[i+1]]
+
+``len(X) == X.shape[0] == n_conversations``, so scikit-learn's splitters,
+``train_test_split``, ``cross_val_score`` and ``Pipeline`` treat one conversation as
+one sample. Indexing with int arrays, lists, bool masks, slices and
+``(index, Ellipsis)`` returns a new :class:`TurnFeatures`; an int returns that
+conversation's per-turn array.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+from collections.abc import Sequence
+
+import numpy as np
+import scipy.sparse as sp
+
+__all__ = ["TurnFeatures"]
+
+_FORMAT = "skafa.TurnFeatures/1"
+
+
+def _as_str_tuple(values, name):
+    if values is None:
+        return None
+    if isinstance(values, str):
+        raise TypeError(f"{name} must be a sequence of strings, not a single string.")
+    return tuple(str(v) for v in values)
+
+
+class TurnFeatures:
+    """Per-turn features of a set of conversations (ragged, CSR-like).
+
+    Parameters
+    ----------
+    values : ndarray of shape (n_turns_total, n_sites, n_features) or \
+            (n_turns_total, n_features), or scipy sparse matrix
+        One row per turn, all conversations concatenated. A 3-D array holds one
+        block per site (e.g. ``"resid_pre.12"``); a 2-D array or sparse matrix is a
+        single block.
+    offsets : array-like of int, shape (n_conversations + 1,)
+        ``offsets[0] == 0``, non-decreasing, ``offsets[-1] == n_turns_total``.
+        Every conversation must have at least one turn.
+    sites : sequence of str, optional
+        Names of the site blocks (length ``n_sites``). Defaults to ``("site0", ...)``
+        for 3-D values and ``("features",)`` for a single block.
+    feature_names : sequence of str, optional
+        Names of the ``n_features`` columns (shared by all sites).
+    speakers : sequence of str, optional
+        Speaker of every turn (length ``n_turns_total``), so the responsible agent
+        can be read off a predicted step.
+    task_ids : sequence, optional
+        Task id of every conversation (length ``n_conversations``), usable as
+        ``groups``.
+
+    Attributes
+    ----------
+    n_conversations, n_turns_total, n_sites, n_features : int
+    n_turns : ndarray of int, shape (n_conversations,)
+        Turns per conversation.
+    shape : tuple
+        ``(n_conversations,)`` — what scikit-learn reads as the number of samples.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skafa import TurnFeatures
+    >>> X = TurnFeatures(np.zeros((5, 2, 3)), [0, 2, 5], sites=["a", "b"])
+    >>> len(X), X.n_turns.tolist(), X[[1]].n_turns_total
+    (2, [2, 3], 3)
+    """
+
+    __array_priority__ = 1000  # keep numpy from broadcasting over us
+
+    def __init__(self, values, offsets, *, sites=None, feature_names=None,
+                 speakers=None, task_ids=None):
+        if sp.issparse(values):
+            values = sp.csr_matrix(values)
+        else:
+            values = np.asarray(values)
+            if values.ndim not in (2, 3):
+                raise ValueError(
+                    "values must be 2-D (n_turns_total, n_features) or 3-D "
+                    f"(n_turns_total, n_sites, n_features); got shape {values.shape}."
+                )
+        offsets = np.asarray(offsets)
+        if offsets.ndim != 1 or offsets.size < 1:
+            raise ValueError("offsets must be a 1-D array of length n_conversations + 1.")
+        if offsets.dtype.kind not in "iu":
+            if not np.all(np.equal(np.mod(offsets, 1), 0)):
+                raise ValueError("offsets must be integers.")
+        offsets = offsets.astype(np.int64)
+        if offsets[0] != 0:
+            raise ValueError(f"offsets[0] must be 0, got {offsets[0]}.")
+        n_total = values.shape[0]
+        if offsets[-1] != n_total:
+            raise ValueError(
+                f"offsets[-1]={offsets[-1]} does not match the {n_total} turn rows in values."
+            )
+        sizes = np.diff(offsets)
+        if np.any(sizes <= 0):
+            bad = int(np.flatnonzero(sizes <= 0)[0])
+            raise ValueError(
+                f"conversation {bad} has {sizes[bad]} turns; offsets must be strictly "
+                "increasing (every conversation needs at least one turn)."
+            )
+        n_sites = values.shape[1] if values.ndim == 3 else 1
+        if sites is None:
+            sites = (
+                tuple(f"site{i}" for i in range(n_sites)) if values.ndim == 3 else ("features",)
+            )
+        sites = _as_str_tuple(sites, "sites")
+        if len(sites) != n_sites:
+            raise ValueError(f"got {len(sites)} site names for {n_sites} site blocks.")
+        if len(set(sites)) != len(sites):
+            raise ValueError(f"site names must be unique, got {sites}.")
+        feature_names = _as_str_tuple(feature_names, "feature_names")
+        if feature_names is not None and len(feature_names) != values.shape[-1]:
+            raise ValueError(
+                f"got {len(feature_names)} feature names for {values.shape[-1]} features."
+            )
+        if speakers is not None:
+            speakers = np.asarray([str(s) for s in speakers], dtype=object)
+            if speakers.shape != (n_total,):
+                raise ValueError(
+                    f"speakers must have one entry per turn ({n_total}), got {speakers.shape[0]}."
+                )
+        if task_ids is not None:
+            task_ids = np.asarray(
+                [None if t is None else str(t) for t in task_ids], dtype=object
+            )
+            if task_ids.shape != (sizes.size,):
+                raise ValueError(
+                    f"task_ids must have one entry per conversation ({sizes.size}), "
+                    f"got {task_ids.shape[0]}."
+                )
+        self.values = values
+        self.offsets = offsets
+        self.sites = sites
+        self.feature_names = feature_names
+        self.speakers = speakers
+        self.task_ids = task_ids
+
+    # ----------------------------------------------------------- constructors
+    @classmethod
+    def from_arrays(cls, arrays, **kwargs) -> TurnFeatures:
+        """Build from a list of per-conversation arrays (each ``(n_turns_i, ...)``)."""
+        arrays = list(arrays)
+        if not arrays:
+            raise ValueError("need at least one conversation.")
+        offsets = np.concatenate([[0], np.cumsum([a.shape[0] for a in arrays])])
+        if all(sp.issparse(a) for a in arrays):
+            values = sp.vstack(arrays, format="csr")
+        else:
+            values = np.concatenate([np.asarray(a) for a in arrays], axis=0)
+        return cls(values, offsets, **kwargs)
+
+    # ------------------------------------------------------------ properties
+    @property
+    def n_conversations(self) -> int:
+        return int(self.offsets.size - 1)
+
+    @property
+    def n_turns_total(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def n_turns(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @property
+    def n_sites(self) -> int:
+        return len(self.sites)
+
+    @property
+    def n_features(self) -> int:
+        return int(self.values.shape[-1])
+
+    @property
+    def shape(self) -> tuple:
+        return (self.n_conversations,)
+
+    @property
+    def ndim(self) -> int:
+        return 1
+
+    @property
+    def is_sparse(self) -> bool:
+        return sp.issparse(self.values)
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+    def __len__(self) -> int:
+        return self.n_conversations
+
+    def __iter__(self):
+        for i in range(self.n_conversations):
+            yield self[i]
+
+    def __repr__(self) -> str:
+        kind = "sparse" if self.is_sparse else str(self.values.dtype)
+        sites = self.sites if self.n_sites <= 4 else (*self.sites[:2], "...", self.sites[-1])
+        return (
+            f"TurnFeatures(n_conversations={self.n_conversations}, "
+            f"n_turns_total={self.n_turns_total}, n_sites={self.n_sites}, "
+            f"n_features={self.n_features}, sites={list(sites)}, {kind})"
+        )
+
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError(
+            "TurnFeatures is ragged (one entry per conversation, several turns each) and "
+            "cannot become a single NumPy array. Use a skafa estimator "
+            "(GroupedArgmaxLogisticClassifier, SiteSelector), wrap turn-level sklearn "
+            "transformers in skafa.PerTurn(...), or read the turn rows explicitly with "
+            "X.turn_matrix(site)."
+        )
+
+    # --------------------------------------------------------------- per-turn
+    def turn_conversation_index(self) -> np.ndarray:
+        """Conversation index of every turn row, shape ``(n_turns_total,)``."""
+        return np.repeat(np.arange(self.n_conversations), self.n_turns)
+
+    def turn_positions(self) -> np.ndarray:
+        """0-based position of every turn row inside its conversation."""
+        return np.arange(self.n_turns_total) - np.repeat(self.offsets[:-1], self.n_turns)
+
+    def turn_matrix(self, site=None):
+        """Return the 2-D turn-row matrix ``(n_turns_total, n_features)`` of one site.
+
+        Parameters
+        ----------
+        site : str or int, optional
+            Which site block. May be omitted when there is exactly one.
+        """
+        if self.values.ndim == 2:
+            if site is not None and site not in (0, self.sites[0]):
+                raise KeyError(f"unknown site {site!r}; this container has {list(self.sites)}.")
+            return self.values
+        if site is None:
+            if self.n_sites != 1:
+                raise ValueError(
+                    f"this TurnFeatures holds {self.n_sites} sites ({self._site_summary()}); "
+                    "select one with X.select_sites(name) or let skafa.SiteSelector choose."
+                )
+            return self.values[:, 0, :]
+        return self.values[:, self._site_index(site), :]
+
+    def global_turn_index(self, steps) -> np.ndarray:
+        """Row index in :attr:`values` of turn ``steps[i]`` of conversation ``i``."""
+        steps = np.asarray(steps)
+        if steps.shape != (self.n_conversations,):
+            raise ValueError(
+                f"need one step per conversation ({self.n_conversations}), got shape {steps.shape}."
+            )
+        bad = np.flatnonzero((steps < 0) | (steps >= self.n_turns))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"step {int(steps[i])} is outside conversation {i}"
+                f"{self._task_label(i)}, which has {int(self.n_turns[i])} turns."
+            )
+        return self.offsets[:-1] + steps.astype(np.int64)
+
+    def _task_label(self, i) -> str:
+        if self.task_ids is None or self.task_ids[i] is None:
+            return ""
+        return f" (task_id {self.task_ids[i]!r})"
+
+    def speakers_at(self, steps) -> np.ndarray:
+        """Speaker of turn ``steps[i]`` in conversation ``i`` (needs :attr:`speakers`)."""
+        if self.speakers is None:
+            raise ValueError("this TurnFeatures carries no speakers.")
+        return self.speakers[self.global_turn_index(steps)]
+
+    def split_rows(self, rows) -> list:
+        """Split a per-turn array (``n_turns_total`` rows) into one array per conversation."""
+        rows = np.asarray(rows)
+        if rows.shape[0] != self.n_turns_total:
+            raise ValueError(f"expected {self.n_turns_total} rows, got {rows.shape[0]}.")
+        return np.split(rows, self.offsets[1:-1])
+
+    # ---------------------------------------------------------------- indexing
+    def _normalise_key(self, key):
+        if isinstance(key, tuple):
+            if len(key) == 2 and key[1] is Ellipsis:
+                key = key[0]
+            elif len(key) == 1:
+                key = key[0]
+            else:
+                raise IndexError(
+                    "TurnFeatures supports X[index] and X[index, ...] only; select sites "
+                    "with X.select_sites(...)."
+                )
+        if isinstance(key, slice):
+            return np.arange(self.n_conversations)[key]
+        key = np.asarray(key)
+        if key.dtype == bool:
+            if key.shape != (self.n_conversations,):
+                raise IndexError(
+                    f"boolean mask of shape {key.shape} does not match "
+                    f"{self.n_conversations} conversations."
+                )
+            return np.flatnonzero(key)
+        if key.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        if key.dtype.kind not in "iu":
+            raise IndexError(f"cannot index TurnFeatures with a key of dtype {key.dtype}.")
+        key = key.astype(np.int64).ravel()
+        n = self.n_conversations
+        if np.any((key < -n) | (key >= n)):
+            raise IndexError(f"index out of range for {n} conversations.")
+        return np.where(key < 0, key + n, key)
+
+    def __getitem__(self, key):
+        if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+            i = int(key)
+            if i < 0:
+                i += self.n_conversations
+            if not 0 <= i < self.n_conversations:
+                raise IndexError(f"conversation {key} out of range ({self.n_conversations}).")
+            return self.values[self.offsets[i]:self.offsets[i + 1]]
+        idx = self._normalise_key(key)
+        if idx.size == 0:
+            raise IndexError("selecting zero conversations is not supported.")
+        sizes = self.n_turns[idx]
+        starts = self.offsets[idx]
+        # Row indices of the selected conversations, in the requested order.
+        rows = np.repeat(starts - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes)
+        rows = rows + np.arange(sizes.sum())
+        contiguous = idx.size > 0 and np.all(np.diff(idx) == 1)
+        if contiguous:
+            lo, hi = self.offsets[idx[0]], self.offsets[idx[-1] + 1]
+            values = self.values[lo:hi]
+        else:
+            values = self.values[rows]
+        return TurnFeatures(
+            values,
+            np.concatenate([[0], np.cumsum(sizes)]),
+            sites=self.sites,
+            feature_names=self.feature_names,
+            speakers=None if self.speakers is None else self.speakers[rows],
+            task_ids=None if self.task_ids is None else self.task_ids[idx],
+        )
+
+    # ------------------------------------------------------------------ sites
+    def _site_summary(self):
+        s = list(self.sites)
+        return ", ".join(s) if len(s) <= 6 else ", ".join(s[:3] + ["..."] + s[-2:])
+
+    def _site_index(self, site) -> int:
+        if isinstance(site, numbers.Integral):
+            if not -self.n_sites <= site < self.n_sites:
+                raise KeyError(f"site index {site} out of range ({self.n_sites} sites).")
+            return int(site) % self.n_sites
+        try:
+            return self.sites.index(site)
+        except ValueError:
+            raise KeyError(
+                f"unknown site {site!r}; available: {self._site_summary()}."
+            ) from None
+
+    def select_sites(self, sites) -> TurnFeatures:
+        """Return a container holding only ``sites`` (a name, index, or a list of them)."""
+        single = isinstance(sites, (str, numbers.Integral))
+        names = [sites] if single else list(sites)
+        if not names:
+            raise ValueError("select at least one site.")
+        idx = [self._site_index(s) for s in names]
+        if self.values.ndim == 2:
+            values = self.values
+        else:
+            values = self.values[:, idx, :]
+        return self._replace(values=values, sites=[self.sites[i] for i in idx])
+
+    def _replace(self, **changes) -> TurnFeatures:
+        kwargs = dict(
+            values=self.values, offsets=self.offsets, sites=self.sites,
+            feature_names=self.feature_names, speakers=self.speakers, task_ids=self.task_ids,
+        )
+        kwargs.update(changes)
+        values = kwargs.pop("values")
+        offsets = kwargs.pop("offsets")
+        return TurnFeatures(values, offsets, **kwargs)
+
+    def with_values(self, values, *, sites=None, feature_names=None) -> TurnFeatures:
+        """Same conversations, speakers and task ids; new per-turn values."""
+        if values.shape[0] != self.n_turns_total:
+            raise ValueError(
+                f"new values have {values.shape[0]} rows for {self.n_turns_total} turns."
+            )
+        if sites is None:
+            n_sites = values.shape[1] if getattr(values, "ndim", 2) == 3 else 1
+            sites = self.sites if n_sites == self.n_sites else None
+        return self._replace(values=values, sites=sites, feature_names=feature_names)
+
+    # --------------------------------------------------------- concatenation
+    @staticmethod
+    def concatenate(parts: Sequence[TurnFeatures], *, prefixes=None) -> TurnFeatures:
+        """Concatenate per-turn features along the feature axis.
+
+        All parts must describe the same conversations (equal ``offsets``). Parts
+        with several sites must share their site names; a single-block part (e.g.
+        position features) is appended to every site of a multi-site part, so
+        ``SiteSelector`` can still choose a site for "activations + position".
+        Sparse parts are kept sparse when every part is a single block.
+
+        Parameters
+        ----------
+        parts : sequence of TurnFeatures
+        prefixes : sequence of str, optional
+            Prefix for each part's feature names (``"{prefix}__{name}"``).
+        """
+        parts = list(parts)
+        if not parts:
+            raise ValueError("nothing to concatenate.")
+        first = parts[0]
+        for j, p in enumerate(parts[1:], 1):
+            if not isinstance(p, TurnFeatures):
+                raise TypeError(f"part {j} is a {type(p).__name__}, not TurnFeatures.")
+            if not np.array_equal(p.offsets, first.offsets):
+                raise ValueError(
+                    f"part {j} describes different conversations (offsets differ from part 0)."
+                )
+        multi = [p for p in parts if p.values.ndim == 3 and p.n_sites > 1]
+        sites = multi[0].sites if multi else None
+        for p in multi[1:]:
+            if p.sites != sites:
+                raise ValueError(f"multi-site parts must share sites: {sites} vs {p.sites}.")
+        if sites is None:
+            blocks = [p.turn_matrix() for p in parts]
+            if any(sp.issparse(b) for b in blocks):
+                values = sp.hstack([sp.csr_matrix(b) for b in blocks], format="csr")
+            else:
+                values = np.concatenate(blocks, axis=1)
+            # Single-site 3-D parts sharing one site name stay a named 3-D block.
+            names_3d = {p.sites for p in parts if p.values.ndim == 3}
+            if len(names_3d) == 1 and not sp.issparse(values):
+                out_sites = names_3d.pop()
+                values = values[:, None, :]
+            else:
+                out_sites = None
+        else:
+            n_sites = len(sites)
+            blocks = []
+            for p in parts:
+                if p.values.ndim == 3 and p.n_sites > 1:
+                    blocks.append(p.values)
+                else:
+                    b = p.turn_matrix() if p.values.ndim == 3 else p.values
+                    if sp.issparse(b):
+                        b = b.toarray()
+                    blocks.append(np.broadcast_to(b[:, None, :], (b.shape[0], n_sites, b.shape[1])))
+            dtype = np.result_type(*[b.dtype for b in blocks])
+            values = np.concatenate([b.astype(dtype, copy=False) for b in blocks], axis=2)
+            out_sites = sites
+        names = None
+        if prefixes is not None or all(p.feature_names is not None for p in parts):
+            if prefixes is None:
+                prefixes = [None] * len(parts)
+            names = []
+            for j, (p, pre) in enumerate(zip(parts, prefixes)):
+                base = p.feature_names or tuple(f"x{k}" for k in range(p.n_features))
+                names.extend(f"{pre}__{n}" if pre else n for n in base)
+        speakers = next((p.speakers for p in parts if p.speakers is not None), None)
+        task_ids = next((p.task_ids for p in parts if p.task_ids is not None), None)
+        return TurnFeatures(values, first.offsets, sites=out_sites, feature_names=names,
+                            speakers=speakers, task_ids=task_ids)
+
+    def astype(self, dtype) -> TurnFeatures:
+        """Return a copy with values cast to ``dtype``."""
+        return self._replace(values=self.values.astype(dtype))
+
+    # ----------------------------------------------------------- persistence
+    def _tensors_and_metadata(self):
+        tensors = {"offsets": np.ascontiguousarray(self.offsets)}
+        if self.is_sparse:
+            v = self.values.tocsr()
+            tensors.update(
+                sparse_data=np.ascontiguousarray(v.data),
+                sparse_indices=np.ascontiguousarray(v.indices.astype(np.int64)),
+                sparse_indptr=np.ascontiguousarray(v.indptr.astype(np.int64)),
+            )
+            shape = list(v.shape)
+        else:
+            tensors["values"] = np.ascontiguousarray(self.values)
+            shape = list(self.values.shape)
+        meta = {
+            "format": _FORMAT,
+            "shape": json.dumps(shape),
+            "sparse": json.dumps(self.is_sparse),
+            "sites": json.dumps(list(self.sites)),
+            "feature_names": json.dumps(
+                None if self.feature_names is None else list(self.feature_names)
+            ),
+            "speakers": json.dumps(None if self.speakers is None else self.speakers.tolist()),
+            "task_ids": json.dumps(None if self.task_ids is None else self.task_ids.tolist()),
+        }
+        return tensors, meta
+
+    def save(self, path) -> None:
+        """Write to a safetensors file (arrays + JSON metadata, no pickle)."""
+        from safetensors.numpy import save_file
+
+        tensors, meta = self._tensors_and_metadata()
+        save_file(tensors, str(path), metadata=meta)
+
+    @classmethod
+    def load(cls, path) -> TurnFeatures:
+        """Read a file written by :meth:`save`."""
+        from safetensors import safe_open
+        from safetensors.numpy import load_file
+
+        try:
+            with safe_open(str(path), framework="np") as f:
+                meta = f.metadata() or {}
+            tensors = load_file(str(path))
+        except Exception as exc:  # safetensors raises its own error types
+            raise ValueError(f"{path}: not a readable safetensors file ({exc}).") from exc
+        if meta.get("format") != _FORMAT:
+            raise ValueError(f"{path}: not a skafa TurnFeatures file (format={meta.get('format')!r}).")
+        try:
+            shape = tuple(json.loads(meta["shape"]))
+            if json.loads(meta["sparse"]):
+                values = sp.csr_matrix(
+                    (tensors["sparse_data"], tensors["sparse_indices"], tensors["sparse_indptr"]),
+                    shape=shape,
+                )
+            else:
+                values = tensors["values"]
+            return cls(
+                values,
+                tensors["offsets"],
+                sites=json.loads(meta["sites"]),
+                feature_names=json.loads(meta["feature_names"]),
+                speakers=json.loads(meta["speakers"]),
+                task_ids=json.loads(meta["task_ids"]),
+            )
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ValueError(f"{path}: corrupt TurnFeatures file ({exc}).") from exc
+
+    def equals(self, other) -> bool:
+        """True when values, offsets, sites, names, speakers and task ids are equal."""
+        if not isinstance(other, TurnFeatures):
+            return False
+        if self.is_sparse != other.is_sparse or self.values.shape != other.values.shape:
+            return False
+        same_values = (
+            (self.values != other.values).nnz == 0
+            if self.is_sparse
+            else np.array_equal(self.values, other.values)
+        )
+
+        def eq(a, b):
+            return (a is None and b is None) or (
+                a is not None and b is not None and np.array_equal(a, b)
+            )
+
+        return (
+            same_values
+            and np.array_equal(self.offsets, other.offsets)
+            and self.sites == other.sites
+            and self.feature_names == other.feature_names
+            and eq(self.speakers, other.speakers)
+            and eq(self.task_ids, other.task_ids)
+        )
