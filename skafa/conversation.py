@@ -174,6 +174,20 @@ class Conversation:
         return hash((self.turns, self.task, self.expected_answer, self.task_id,
                      self.mistake_step, self.mistake_agent, self.record_id))
 
+    # The read-only metadata view (MappingProxyType) cannot be pickled: store a plain
+    # dict and restore the view, so pickle, copy.deepcopy, joblib.hash and joblib's
+    # worker processes accept conversations.
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["metadata"] = dict(self.metadata)
+        return state
+
+    def __setstate__(self, state):
+        state = dict(state)
+        state["metadata"] = MappingProxyType(dict(state.get("metadata") or {}))
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+
     @property
     def speakers(self) -> tuple[str, ...]:
         """Speaker of every turn, in order."""

@@ -423,10 +423,17 @@ class TurnFeatures:
         parts = list(parts)
         if not parts:
             raise ValueError("nothing to concatenate.")
-        first = parts[0]
-        for j, p in enumerate(parts[1:], 1):
+        for j, p in enumerate(parts):
             if not isinstance(p, TurnFeatures):
                 raise TypeError(f"part {j} is a {type(p).__name__}, not TurnFeatures.")
+        if prefixes is not None:
+            if isinstance(prefixes, str):
+                raise TypeError("prefixes must be a sequence (one per part), not a string.")
+            prefixes = list(prefixes)
+            if len(prefixes) != len(parts):
+                raise ValueError(f"got {len(prefixes)} prefixes for {len(parts)} parts.")
+        first = parts[0]
+        for j, p in enumerate(parts[1:], 1):
             if not np.array_equal(p.offsets, first.offsets):
                 raise ValueError(
                     f"part {j} describes different conversations (offsets differ from part 0)."

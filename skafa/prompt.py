@@ -1,0 +1,812 @@
+"""Render a conversation as one chat prompt and locate every turn's last token.
+
+A :class:`PromptTemplate` turns a :class:`~skafa.conversation.Conversation` into a
+judge prompt: a system message explaining the job, then one user message with the
+task, the expected answer, one numbered line per turn and a closing question. The
+tokenizer's own chat template renders the messages; the fast tokenizer's character
+offsets then give, for every turn, the index of the token that contains the turn's
+last character (:attr:`Encoding.turn_positions`). Those are the positions at which
+skafa reads hidden states.
+
+Because a decoder is causal, the activation at a turn's last token depends only on
+what precedes it: the system message, the task, the expected answer and the earlier
+turns. The closing instruction matters only for generation (the LLM judge).
+
+Long conversations are never cut silently. ``shorten="none"`` (the default) leaves
+the text alone and :func:`check_fits` / :func:`plan` report prompts that are too
+long; ``"head_tail"`` and ``"middle_first"`` shorten turn contents visibly (a marker
+says how many characters were omitted) and record exactly how many characters each
+turn lost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
+
+from .conversation import Conversation
+
+__all__ = [
+    "PROMPT_FORMAT_VERSION",
+    "PromptTemplate",
+    "Encoding",
+    "PromptPlan",
+    "PromptTooLongError",
+    "encode",
+    "plan",
+    "check_fits",
+    "template_uses_date",
+]
+
+#: Version of the rendering logic; part of :meth:`PromptTemplate.fingerprint`, bumped
+#: whenever the same template settings would render a different prompt.
+PROMPT_FORMAT_VERSION = 1
+
+_SHORTEN = ("none", "head_tail", "middle_first")
+_SYSTEM_PLACEMENT = ("system", "user")
+_RESERVED_KWARGS = ("messages", "conversation", "tokenize", "add_generation_prompt",
+                    "continue_final_message", "return_dict", "tools", "documents")
+
+DEFAULT_SYSTEM = (
+    "You are an expert judge of multi-agent AI systems. You will read the log of a "
+    "multi-agent run that failed to solve its task: the task, the expected answer, and "
+    "the numbered steps of the conversation, each with the agent that spoke. Exactly "
+    "one step contains the decisive error: the first mistake that, had it not been "
+    "made, would have let the agents reach the correct answer. Find that step and the "
+    "agent responsible for it."
+)
+DEFAULT_INSTRUCTION = (
+    "Which step contains the decisive error? Answer with the step number and the name "
+    "of the agent, in the form 'Step: <number>, Agent: <name>'."
+)
+
+
+class PromptTooLongError(ValueError):
+    """Raised when a prompt cannot be made to fit a token limit.
+
+    Attributes
+    ----------
+    n_tokens : int
+        Length of the shortest prompt that could be produced (or of the prompt).
+    max_tokens : int
+        The limit.
+    """
+
+    def __init__(self, message, n_tokens=None, max_tokens=None):
+        super().__init__(message)
+        self.n_tokens = n_tokens
+        self.max_tokens = max_tokens
+
+
+def _describe(conversation, index=None) -> str:
+    parts = []
+    if index is not None:
+        parts.append(f"conversation {index}")
+    else:
+        parts.append("conversation")
+    ids = []
+    if getattr(conversation, "task_id", None) is not None:
+        ids.append(f"task_id={conversation.task_id!r}")
+    if getattr(conversation, "record_id", None) is not None:
+        ids.append(f"record_id={conversation.record_id!r}")
+    if ids:
+        parts.append("(" + ", ".join(ids) + ")")
+    return " ".join(parts)
+
+
+# --------------------------------------------------------------------------- template
+@dataclass(frozen=True)
+class PromptTemplate:
+    """How a conversation becomes a judge prompt (immutable, JSON-serialisable).
+
+    The prompt has an optional system message (``system``) and one user message::
+
+        {task_header} {task}
+        {answer_header} {expected_answer}
+
+        {history_header}
+        {turn line 0}
+        {turn line 1}
+        ...
+
+        {instruction}
+
+    Each turn line is ``turn_format`` with ``{i}`` (0-based step index, the same
+    numbering as ``Conversation.mistake_step``), ``{speaker}``, ``{role}`` and
+    ``{content}``. Both messages go through the tokenizer's own chat template.
+
+    Parameters
+    ----------
+    system : str or None, default=DEFAULT_SYSTEM
+        System message; ``None`` or ``""`` sends none (the chat template may then
+        insert its own default).
+    task_header : str, default="Task:"
+        Text before the task. The task line is omitted when the task is empty.
+    answer_header : str or None, default="Expected answer:"
+        Text before the expected answer; ``None`` omits the expected answer
+        (the "without ground truth" setting).
+    history_header : str or None, default="Conversation:"
+        Line before the numbered turns; ``None`` omits it.
+    turn_format : str, default="{i} - {speaker}: {content}"
+        Format of one turn line. Must contain ``{content}`` exactly once, as its
+        own field; may use ``{i}``, ``{speaker}`` and ``{role}`` (``""`` when the
+        turn has no role). Contents are inserted verbatim (braces in the content
+        are safe).
+    instruction : str or None, default=DEFAULT_INSTRUCTION
+        Closing question after the turns; ``None`` omits it. It follows every turn,
+        so it does not change any turn's activations in a causal model.
+    max_turn_chars : int or None, default=None
+        With ``shorten="head_tail"``: the most characters of a turn's content kept.
+    shorten : {"none", "head_tail", "middle_first"}, default="none"
+        ``"none"`` never alters text. ``"head_tail"`` keeps the first
+        ``ceil(k/2)`` and last ``floor(k/2)`` characters (``k=max_turn_chars``) of
+        every longer content and puts ``marker`` between them. ``"middle_first"``
+        finds the largest per-turn cap ``k`` such that the prompt, with every
+        content longer than ``k`` shortened the same way, has at most
+        ``max_prompt_tokens`` tokens: the longest turns lose their middles first.
+        In both, a content is only shortened when that makes it shorter, i.e. when
+        more characters would be removed than the marker adds (a 101-character
+        turn with ``k=100`` stays whole). Only turn contents are shortened, never
+        the task or headers.
+    marker : str, default=" [... {n} characters omitted ...] "
+        Inserted where text was removed; ``{n}`` becomes the number of characters
+        removed from that turn.
+    max_prompt_tokens : int or None, default=None
+        With ``shorten="middle_first"``: the token budget of the whole prompt.
+    system_placement : {"system", "user"}, default="system"
+        ``"user"`` puts the system text at the top of the user message, for chat
+        templates that reject a system role (e.g. Gemma's).
+
+    Examples
+    --------
+    >>> from skafa.prompt import PromptTemplate
+    >>> t = PromptTemplate(shorten="head_tail", max_turn_chars=200)
+    >>> PromptTemplate.from_dict(t.to_dict()) == t
+    True
+    >>> len(t.fingerprint())
+    64
+    """
+
+    system: str | None = DEFAULT_SYSTEM
+    task_header: str = "Task:"
+    answer_header: str | None = "Expected answer:"
+    history_header: str | None = "Conversation:"
+    turn_format: str = "{i} - {speaker}: {content}"
+    instruction: str | None = DEFAULT_INSTRUCTION
+    max_turn_chars: int | None = None
+    shorten: str = "none"
+    marker: str = " [... {n} characters omitted ...] "
+    max_prompt_tokens: int | None = None
+    system_placement: str = "system"
+
+    def __post_init__(self):
+        for name in ("system", "answer_header", "history_header", "instruction"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise TypeError(f"PromptTemplate.{name} must be a string or None, got "
+                                f"{type(v).__name__}.")
+        for name in ("task_header", "turn_format", "marker"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"PromptTemplate.{name} must be a string.")
+        if self.shorten not in _SHORTEN:
+            raise ValueError(f"PromptTemplate.shorten must be one of {_SHORTEN}, got "
+                             f"{self.shorten!r}.")
+        if self.system_placement not in _SYSTEM_PLACEMENT:
+            raise ValueError(f"PromptTemplate.system_placement must be one of "
+                             f"{_SYSTEM_PLACEMENT}, got {self.system_placement!r}.")
+        for name in ("max_turn_chars", "max_prompt_tokens"):
+            v = getattr(self, name)
+            if v is not None:
+                if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                    raise ValueError(f"PromptTemplate.{name} must be a positive int or "
+                                     f"None, got {v!r}.")
+                object.__setattr__(self, name, int(v))
+        if self.shorten == "head_tail" and self.max_turn_chars is None:
+            raise ValueError("PromptTemplate(shorten='head_tail') needs max_turn_chars.")
+        if self.shorten != "head_tail" and self.max_turn_chars is not None:
+            raise ValueError("PromptTemplate.max_turn_chars only applies with "
+                             f"shorten='head_tail' (got shorten={self.shorten!r}).")
+        if self.shorten == "middle_first" and self.max_prompt_tokens is None:
+            raise ValueError("PromptTemplate(shorten='middle_first') needs max_prompt_tokens.")
+        if self.shorten != "middle_first" and self.max_prompt_tokens is not None:
+            raise ValueError(
+                "PromptTemplate.max_prompt_tokens only applies with shorten='middle_first' "
+                f"(got shorten={self.shorten!r}); to check lengths without shortening use "
+                "skafa.prompt.plan or check_fits.")
+        # turn_format: exactly one {content}; the parts around it format cleanly.
+        if self.turn_format.count("{content}") != 1:
+            raise ValueError("PromptTemplate.turn_format must contain '{content}' exactly "
+                             f"once, got {self.turn_format!r}.")
+        pre, post = self.turn_format.split("{content}")
+        for part in (pre, post):
+            try:
+                part.format(i=0, speaker="s", role="r")
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(
+                    f"PromptTemplate.turn_format {self.turn_format!r} is not a valid "
+                    f"format: {exc!r}. Use only {{i}}, {{speaker}}, {{role}}, {{content}}."
+                ) from None
+        try:
+            self.marker.format(n=1)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"PromptTemplate.marker {self.marker!r} is not a valid format "
+                             f"(only {{n}} may be used): {exc!r}.") from None
+
+    # ------------------------------------------------------------- (de)serialise
+    def to_dict(self) -> dict:
+        """Return the settings as a JSON-serialisable dict (:meth:`from_dict` inverts it)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> PromptTemplate:
+        """Build a template from :meth:`to_dict` output; unknown keys raise ``ValueError``."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"Unknown PromptTemplate field(s) {unknown}; known: {sorted(known)}.")
+        return cls(**dict(data))
+
+    def fingerprint(self) -> str:
+        """sha256 hex digest of the canonical JSON of the settings and format version.
+
+        Stable across processes and sessions; used in activation cache keys.
+        """
+        payload = {"prompt_format_version": PROMPT_FORMAT_VERSION, **self.to_dict()}
+        canon = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return hashlib.sha256(canon.encode("utf-8")).hexdigest()
+
+    # ------------------------------------------------------------------ render
+    def _turn_parts(self, i, turn):
+        pre, post = self.turn_format.split("{content}")
+        kw = dict(i=i, speaker=turn.speaker, role=turn.role or "")
+        return pre.format(**kw), post.format(**kw)
+
+    def _shorten_text(self, content: str, keep: int) -> tuple[str, int]:
+        """Keep ``keep`` characters (head ceil, tail floor) around the marker.
+
+        Returns the new content and the number of characters removed (0, content
+        unchanged, when the marker would not be shorter than the removed text).
+        """
+        removed = len(content) - keep
+        if removed <= 0:
+            return content, 0
+        marker = self.marker.format(n=removed)
+        if len(marker) >= removed:
+            return content, 0  # the marker would be as long as what it replaces
+        head = (keep + 1) // 2
+        tail = keep - head
+        return (content[:head] + marker + (content[len(content) - tail:] if tail else "")), removed
+
+    def messages(self, conversation: Conversation, contents: Sequence[str] | None = None):
+        """Return the chat messages and the turn lines for ``conversation``.
+
+        Parameters
+        ----------
+        conversation : Conversation
+        contents : sequence of str, optional
+            Replacement turn contents (already shortened); default the originals.
+
+        Returns
+        -------
+        messages : list of dict
+            ``[{"role": "system", ...}, {"role": "user", ...}]`` (no system
+            message when ``system`` is empty).
+        lines : list of tuple
+            ``(prefix, content, suffix)`` of every turn line, in order.
+        """
+        if contents is None:
+            contents = [t.content for t in conversation.turns]
+        lines = []
+        for i, (turn, content) in enumerate(zip(conversation.turns, contents)):
+            pre, post = self._turn_parts(i, turn)
+            lines.append((pre, content, post))
+        blocks = []
+        if self.system and self.system_placement == "user":
+            blocks.append(self.system)
+        head = []
+        if conversation.task:
+            head.append(f"{self.task_header} {conversation.task}" if self.task_header
+                        else conversation.task)
+        if self.answer_header is not None:
+            head.append(f"{self.answer_header} {conversation.expected_answer}"
+                        if self.answer_header else conversation.expected_answer)
+        if head:
+            blocks.append("\n".join(head))
+        history = [] if self.history_header is None else [self.history_header]
+        history.extend(pre + content + post for pre, content, post in lines)
+        blocks.append("\n".join(history))
+        if self.instruction:
+            blocks.append(self.instruction)
+        messages = []
+        if self.system and self.system_placement == "system":
+            messages.append({"role": "system", "content": self.system})
+        messages.append({"role": "user", "content": "\n\n".join(blocks)})
+        return messages, lines
+
+    def encode(self, conversation, tokenizer, *, chat_template_kwargs=None, index=None):
+        """Render and tokenize ``conversation``; see :func:`encode`."""
+        return encode(conversation, tokenizer, template=self,
+                      chat_template_kwargs=chat_template_kwargs, index=index)
+
+
+# --------------------------------------------------------------------------- encoding
+@dataclass(frozen=True, eq=False)
+class Encoding:
+    """One rendered, tokenized prompt with the position of every turn.
+
+    Attributes
+    ----------
+    input_ids : ndarray of int64, shape (n_tokens,)
+        Token ids of :attr:`text` (tokenized with ``add_special_tokens=False``; the
+        chat template supplies BOS and other special tokens itself).
+    turn_positions : ndarray of int64, shape (n_turns,)
+        For each turn, the index of the token that contains the turn's last
+        character: the last character of its (possibly shortened) content, or, for
+        an empty content, the last character of the text before it in the turn line
+        (e.g. the space after ``"speaker:"``). When several tokens cover that
+        character (a multi-byte character split into byte tokens), the last of them.
+        Strictly increasing.
+    turn_char_spans : ndarray of int64, shape (n_turns, 2)
+        ``[start, end)`` of each turn's whole line in :attr:`text`.
+    turn_last_chars : ndarray of int64, shape (n_turns,)
+        Index in :attr:`text` of the character that defines each turn position.
+    offsets : ndarray of int64, shape (n_tokens, 2)
+        Character span ``[start, end)`` of every token in :attr:`text`.
+    text : str
+        The rendered prompt.
+    n_tokens : int
+    chars_removed : ndarray of int64, shape (n_turns,)
+        Characters removed from each turn's content by the shortening policy.
+    total_chars_removed : int
+    """
+
+    input_ids: np.ndarray
+    turn_positions: np.ndarray
+    turn_char_spans: np.ndarray
+    turn_last_chars: np.ndarray
+    offsets: np.ndarray
+    text: str
+    n_tokens: int
+    chars_removed: np.ndarray
+    total_chars_removed: int
+    shortened_contents: tuple = field(default=(), repr=False)
+
+    @property
+    def n_turns(self) -> int:
+        """Number of turns."""
+        return int(self.turn_positions.shape[0])
+
+    def __repr__(self):
+        return (f"Encoding(n_tokens={self.n_tokens}, n_turns={self.n_turns}, "
+                f"total_chars_removed={self.total_chars_removed})")
+
+
+def _array(a, dtype=np.int64):
+    # Writable on purpose: torch.as_tensor warns on read-only numpy arrays.
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
+def template_uses_date(tokenizer) -> bool:
+    """Whether the tokenizer's chat template writes today's date (``strftime_now``).
+
+    Such templates render a different prompt every day unless the date is pinned
+    through ``chat_template_kwargs`` (for Llama 3: ``{"date_string": "26 Jul 2024"}``).
+    """
+    tpl = getattr(tokenizer, "chat_template", None)
+    if isinstance(tpl, dict):
+        tpl = " ".join(str(v) for v in tpl.values())
+    return isinstance(tpl, str) and "strftime_now" in tpl
+
+
+def _check_tokenizer(tokenizer):
+    if not getattr(tokenizer, "is_fast", False):
+        raise TypeError(
+            f"skafa needs a *fast* tokenizer (with character offsets) to locate turns; got "
+            f"{type(tokenizer).__name__} (is_fast=False). Load it with "
+            "AutoTokenizer.from_pretrained(..., use_fast=True) or skafa.models.load_model.")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"Tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat_template. "
+            "Use an instruction-tuned model or set tokenizer.chat_template to a Jinja "
+            "template.")
+
+
+def _render(template, conversation, tokenizer, contents, chat_template_kwargs, where):
+    messages, lines = template.messages(conversation, contents)
+    kwargs = dict(chat_template_kwargs or {})
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True, **kwargs)
+    except Exception as exc:  # jinja TemplateError, e.g. "System role not supported"
+        hint = ""
+        if "system" in str(exc).lower() and template.system_placement == "system":
+            hint = (" The chat template may not accept a system message: use "
+                    "PromptTemplate(system_placement='user').")
+        raise ValueError(f"{where}: the tokenizer's chat template failed: {exc}.{hint}") from exc
+    if not isinstance(text, str):
+        raise TypeError(f"{where}: apply_chat_template returned {type(text).__name__}, "
+                        "expected text.")
+    # Locate each turn line sequentially. Start after the task line and the history
+    # header when they can be found, so that text in the system message can never be
+    # mistaken for a turn.
+    pos = 0
+    if conversation.task:
+        anchor = (f"{template.task_header} {conversation.task}" if template.task_header
+                  else conversation.task)
+        found = text.find(anchor)
+        if found >= 0:
+            pos = found + len(anchor)
+    if template.history_header:
+        found = text.find(template.history_header, pos)
+        if found >= 0:
+            pos = found + len(template.history_header)
+    spans, last_chars = [], []
+    for i, (pre, content, post) in enumerate(lines):
+        if not (pre or content):
+            raise ValueError(f"{where}: turn {i} renders to nothing before its (empty) "
+                             "content; give turn_format a prefix such as '{i} - {speaker}: '.")
+        line = pre + content + post
+        start = text.find(line, pos)
+        if start < 0:
+            speaker = conversation.turns[i].speaker
+            raise ValueError(
+                f"{where}: turn {i} (speaker {speaker!r}) was not found verbatim in the "
+                "rendered chat template output; the template must have escaped, trimmed "
+                "or rewritten its text. Check tokenizer.chat_template or adjust "
+                "PromptTemplate (e.g. end with an instruction so the last turn is not "
+                "trimmed).")
+        end = start + len(line)
+        last = start + len(pre) + len(content) - 1  # content end, else prefix end
+        spans.append((start, end))
+        last_chars.append(last)
+        pos = end
+    return text, np.asarray(spans, dtype=np.int64).reshape(-1, 2), np.asarray(last_chars)
+
+
+def _tokenize(tokenizer, text, last_chars, where):
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True,
+                    return_attention_mask=False)
+    ids = np.asarray(enc["input_ids"], dtype=np.int64)
+    offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    if ids.ndim != 1 or offsets.shape[0] != ids.shape[0]:
+        raise ValueError(f"{where}: unexpected tokenizer output shape.")
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    # Last token whose span covers the character c: tokens are in text order, so
+    # search the running maximum of starts.
+    run_starts = np.maximum.accumulate(starts) if len(starts) else starts
+    positions = np.searchsorted(run_starts, last_chars, side="right") - 1
+    for i, (c, p) in enumerate(zip(last_chars, positions)):
+        q = p
+        while q >= 0 and not (starts[q] <= c < ends[q]):
+            q -= 1  # zero-width or odd tokens: walk back to a token covering c
+            if q < p - 8:
+                q = -1
+                break
+        if q < 0:
+            raise ValueError(f"{where}: no token covers the last character of turn {i} "
+                             f"(character {c}); the tokenizer's offsets are unusable.")
+        positions[i] = q
+    if len(positions) > 1 and np.any(np.diff(positions) <= 0):
+        bad = int(np.flatnonzero(np.diff(positions) <= 0)[0]) + 1
+        raise ValueError(f"{where}: turns {bad - 1} and {bad} end in the same token; "
+                         "use a turn_format that separates turns.")
+    return ids, offsets, positions.astype(np.int64)
+
+
+def _warn_special(conversation, tokenizer, where):
+    specials = [t for t in (getattr(tokenizer, "all_special_tokens", None) or []) if t]
+    if not specials:
+        return
+    for i, turn in enumerate(conversation.turns):
+        for s in specials:
+            if s in turn.content:
+                warnings.warn(
+                    f"{where}: turn {i} contains the special token {s!r}; the tokenizer "
+                    "will treat it as a real special token.", UserWarning, stacklevel=4)
+                return
+
+
+def _encode_contents(template, conversation, tokenizer, contents, removed,
+                     chat_template_kwargs, where):
+    text, spans, last_chars = _render(template, conversation, tokenizer, contents,
+                                      chat_template_kwargs, where)
+    ids, offsets, positions = _tokenize(tokenizer, text, last_chars, where)
+    removed = np.asarray(removed, dtype=np.int64)
+    return Encoding(
+        input_ids=_array(ids),
+        turn_positions=_array(positions),
+        turn_char_spans=_array(spans),
+        turn_last_chars=_array(last_chars),
+        offsets=_array(offsets),
+        text=text,
+        n_tokens=int(ids.shape[0]),
+        chars_removed=_array(removed),
+        total_chars_removed=int(removed.sum()),
+        shortened_contents=tuple(contents),
+    )
+
+
+def _encode(conversation, tokenizer, template, chat_template_kwargs, index, strict=True):
+    """Return (encoding, fits_budget). With strict, raise when middle_first cannot fit."""
+    where = _describe(conversation, index)
+    originals = [t.content for t in conversation.turns]
+    n = len(originals)
+    if template.shorten == "none":
+        return _encode_contents(template, conversation, tokenizer, originals, [0] * n,
+                                chat_template_kwargs, where), True
+    if template.shorten == "head_tail":
+        pairs = [template._shorten_text(c, template.max_turn_chars) for c in originals]
+        return _encode_contents(template, conversation, tokenizer, [p[0] for p in pairs],
+                                [p[1] for p in pairs], chat_template_kwargs, where), True
+
+    # middle_first: largest cap k such that the prompt fits.
+    budget = template.max_prompt_tokens
+
+    def at(cap):
+        pairs = [template._shorten_text(c, cap) for c in originals]
+        return _encode_contents(template, conversation, tokenizer, [p[0] for p in pairs],
+                                [p[1] for p in pairs], chat_template_kwargs, where)
+
+    full = _encode_contents(template, conversation, tokenizer, originals, [0] * n,
+                            chat_template_kwargs, where)
+    if full.n_tokens <= budget:
+        return full, True
+    lo_enc = at(0)
+    if lo_enc.n_tokens > budget:
+        if strict:
+            raise PromptTooLongError(
+                f"{where}: even with every turn reduced to the omission marker the prompt "
+                f"has {lo_enc.n_tokens} tokens, more than max_prompt_tokens={budget} "
+                "(the task, headers and per-turn lines alone are too long).",
+                n_tokens=lo_enc.n_tokens, max_tokens=budget)
+        return lo_enc, False
+    lo, hi = 0, max(len(c) for c in originals)  # at(lo) fits, at(hi) == full does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        enc = at(mid)
+        if enc.n_tokens <= budget:
+            lo, lo_enc = mid, enc
+        else:
+            hi = mid
+    return lo_enc, True
+
+
+def encode(conversation, tokenizer, *, template=None, chat_template_kwargs=None, index=None):
+    """Render ``conversation`` with ``template`` and find every turn's last token.
+
+    Parameters
+    ----------
+    conversation : Conversation
+    tokenizer : transformers fast tokenizer
+        Must have ``is_fast`` (character offsets) and a ``chat_template``. A slow
+        tokenizer raises ``TypeError``.
+    template : PromptTemplate, optional
+        Default ``PromptTemplate()``.
+    chat_template_kwargs : dict, optional
+        Extra variables for the chat template, e.g. ``{"date_string": "26 Jul 2024"}``
+        to pin a template that embeds today's date (see :func:`template_uses_date`).
+    index : int, optional
+        Position of the conversation in its list, used in error messages.
+
+    Returns
+    -------
+    Encoding
+
+    Raises
+    ------
+    TypeError
+        Slow tokenizer, or ``conversation`` is not a Conversation.
+    ValueError
+        The chat template fails or alters a turn line so it cannot be found
+        (the message names the turn); reserved ``chat_template_kwargs``.
+    PromptTooLongError
+        With ``shorten="middle_first"``, when even minimal turns do not fit.
+
+    Notes
+    -----
+    The rendered text is tokenized with ``add_special_tokens=False``: chat
+    templates already write BOS (Llama 3's starts with ``{{ bos_token }}``), so
+    letting the tokenizer add another would give two BOS tokens.
+
+    Examples
+    --------
+    >>> from skafa.testing import make_tiny_tokenizer, make_conversations
+    >>> conv = make_conversations(1)[0]
+    >>> enc = encode(conv, make_tiny_tokenizer())
+    >>> len(enc.turn_positions) == len(conv)
+    True
+    """
+    if template is None:
+        template = PromptTemplate()
+    if not isinstance(template, PromptTemplate):
+        raise TypeError(f"template must be a PromptTemplate, got {type(template).__name__}.")
+    if not isinstance(conversation, Conversation):
+        raise TypeError(f"{_describe(conversation, index)} is a {type(conversation).__name__}, "
+                        "not a skafa Conversation.")
+    _check_tokenizer(tokenizer)
+    kwargs = _check_kwargs(chat_template_kwargs)
+    where = _describe(conversation, index)
+    if template_uses_date(tokenizer) and "date_string" not in kwargs:
+        warnings.warn(
+            f"The chat template of {getattr(tokenizer, 'name_or_path', '')!r} writes today's "
+            "date, so prompts (and cached activations) change from day to day. Pin it with "
+            "chat_template_kwargs={'date_string': '26 Jul 2024'} (or the variable your "
+            "template uses).", UserWarning, stacklevel=2)
+    _warn_special(conversation, tokenizer, where)
+    return _encode(conversation, tokenizer, template, kwargs, index)[0]
+
+
+def _check_kwargs(chat_template_kwargs):
+    if chat_template_kwargs is None:
+        return {}
+    if not isinstance(chat_template_kwargs, Mapping):
+        raise TypeError("chat_template_kwargs must be a dict or None, got "
+                        f"{type(chat_template_kwargs).__name__}.")
+    bad = [k for k in chat_template_kwargs if k in _RESERVED_KWARGS]
+    if bad:
+        raise ValueError(f"chat_template_kwargs may not set {bad}: skafa sets them itself.")
+    return dict(chat_template_kwargs)
+
+
+# --------------------------------------------------------------------------- planning
+def check_fits(encoding, max_tokens, index=None, conversation=None):
+    """Raise ``ValueError`` when a prompt is longer than ``max_tokens``.
+
+    skafa never reads activations at positions the model was not trained on and
+    never cuts a prompt silently; call this before running a model.
+
+    Parameters
+    ----------
+    encoding : Encoding
+    max_tokens : int
+        The limit, usually :func:`skafa.models.context_length`.
+    index : int, optional
+        Position of the conversation in its list (named in the message).
+    conversation : Conversation, optional
+        Its ``task_id`` and ``record_id`` are named in the message.
+
+    Returns
+    -------
+    encoding : Encoding
+        The input, when it fits.
+
+    Raises
+    ------
+    PromptTooLongError
+        (a ``ValueError``) naming the conversation, its token count and the limit.
+    """
+    max_tokens = int(max_tokens)
+    if encoding.n_tokens > max_tokens:
+        where = _describe(conversation, index)
+        raise PromptTooLongError(
+            f"{where} has {encoding.n_tokens} prompt tokens, more than the limit of "
+            f"{max_tokens}. skafa does not read past the model's context or cut prompts "
+            f"silently: shorten turns with PromptTemplate(shorten='middle_first', "
+            f"max_prompt_tokens={max_tokens}) or shorten='head_tail', or drop the "
+            "conversation (skafa.prompt.plan lists every prompt that is too long).",
+            n_tokens=encoding.n_tokens, max_tokens=max_tokens)
+    return encoding
+
+
+class PromptPlan(Sequence):
+    """Per-conversation prompt lengths against a token limit (from :func:`plan`).
+
+    A read-only sequence of dicts with keys ``index``, ``task_id``, ``record_id``,
+    ``n_turns``, ``n_tokens``, ``fits``, ``chars_removed`` (total for the
+    conversation) and ``turn_chars_removed`` (list, per turn).
+
+    Attributes
+    ----------
+    max_tokens : int
+    rows : list of dict
+    """
+
+    def __init__(self, rows, max_tokens):
+        self.rows = list(rows)
+        self.max_tokens = int(max_tokens)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+    @property
+    def all_fit(self) -> bool:
+        """True when every prompt has at most ``max_tokens`` tokens."""
+        return all(r["fits"] for r in self.rows)
+
+    @property
+    def too_long(self) -> list:
+        """Rows of the prompts that do not fit."""
+        return [r for r in self.rows if not r["fits"]]
+
+    @property
+    def n_tokens(self) -> np.ndarray:
+        """Token count of every prompt."""
+        return np.asarray([r["n_tokens"] for r in self.rows], dtype=np.int64)
+
+    @property
+    def total_chars_removed(self) -> int:
+        """Characters removed by shortening, over all conversations."""
+        return int(sum(r["chars_removed"] for r in self.rows))
+
+    def to_frame(self):
+        """Return the rows as a ``pandas.DataFrame`` (needs pandas)."""
+        import pandas as pd
+
+        return pd.DataFrame(self.rows)
+
+    def __repr__(self):
+        n = len(self.rows)
+        if not n:
+            return f"PromptPlan(0 conversations, max_tokens={self.max_tokens})"
+        return (f"PromptPlan({n} conversations, max_tokens={self.max_tokens}, "
+                f"fit={n - len(self.too_long)}, longest={int(self.n_tokens.max())} tokens, "
+                f"chars_removed={self.total_chars_removed})")
+
+
+def plan(conversations, tokenizer, template=None, *, max_tokens, chat_template_kwargs=None):
+    """Report, before running a model, which prompts fit ``max_tokens``.
+
+    Renders and tokenizes every conversation exactly as extraction will (including
+    the shortening policy) but runs no model. Nothing raises for length: with
+    ``shorten="middle_first"`` a conversation that cannot be shortened enough is
+    reported with ``fits=False`` and its shortest length.
+
+    Parameters
+    ----------
+    conversations : sequence of Conversation
+    tokenizer : transformers fast tokenizer
+    template : PromptTemplate, optional
+        Default ``PromptTemplate()``.
+    max_tokens : int
+        The limit (usually the model's context length).
+    chat_template_kwargs : dict, optional
+        As in :func:`encode`.
+
+    Returns
+    -------
+    PromptPlan
+
+    Examples
+    --------
+    >>> from skafa.testing import make_tiny_tokenizer, make_conversations
+    >>> p = plan(make_conversations(4), make_tiny_tokenizer(), max_tokens=4096)
+    >>> p.all_fit, len(p)
+    (True, 4)
+    """
+    if template is None:
+        template = PromptTemplate()
+    if not isinstance(template, PromptTemplate):
+        raise TypeError(f"template must be a PromptTemplate, got {type(template).__name__}.")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) \
+            or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}.")
+    _check_tokenizer(tokenizer)
+    kwargs = _check_kwargs(chat_template_kwargs)
+    if template_uses_date(tokenizer) and "date_string" not in kwargs:
+        warnings.warn("The chat template writes today's date; pin it with "
+                      "chat_template_kwargs={'date_string': ...}.", UserWarning, stacklevel=2)
+    rows = []
+    for i, conv in enumerate(conversations):
+        if not isinstance(conv, Conversation):
+            raise TypeError(f"{_describe(conv, i)} is a {type(conv).__name__}, not a "
+                            "skafa Conversation.")
+        enc, ok = _encode(conv, tokenizer, template, kwargs, i, strict=False)
+        rows.append({
+            "index": i,
+            "task_id": conv.task_id,
+            "record_id": conv.record_id,
+            "n_turns": len(conv),
+            "n_tokens": enc.n_tokens,
+            "fits": bool(ok and enc.n_tokens <= max_tokens),
+            "chars_removed": enc.total_chars_removed,
+            "turn_chars_removed": enc.chars_removed.tolist(),
+        })
+    return PromptPlan(rows, max_tokens)

@@ -1,0 +1,389 @@
+"""Tests for skafa.conversation: Turn, Conversation and their constructors."""
+
+import copy
+import dataclasses
+import json
+import pickle
+
+import joblib
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from skafa.conversation import Conversation, ConversationError, Turn
+
+
+def _record(**changes):
+    record = {
+        "question": "What is 2+2?",
+        "ground_truth": "4",
+        "question_ID": "task-1",
+        "history": [
+            {"content": "Let me compute.", "role": "assistant", "name": "Math_Expert"},
+            {"content": "print(2+2)", "role": "user", "name": "Computer_terminal"},
+            {"content": "The answer is 5.", "role": "assistant", "name": "Math_Expert"},
+        ],
+        "mistake_step": "2",
+        "mistake_agent": "Math_Expert",
+        "mistake_reason": "Misread the output.",
+        "level": 1,
+    }
+    record.update(changes)
+    return record
+
+
+def _conv(**kwargs):
+    turns = [Turn("planner", "Let's search."), Turn("coder", "print(1)", role="assistant")]
+    return Conversation(turns, **kwargs)
+
+
+# ----------------------------------------------------------------------- Turn
+def test_turn_fields_and_to_dict():
+    t = Turn("WebSurfer", "clicked", role="WebSurfer")
+    assert (t.speaker, t.content, t.role) == ("WebSurfer", "clicked", "WebSurfer")
+    assert t.to_dict() == {"speaker": "WebSurfer", "content": "clicked", "role": "WebSurfer"}
+    assert Turn("a", "").content == ""  # empty content is allowed
+    assert Turn("a", "x").role is None
+
+
+@pytest.mark.parametrize("speaker", ["", "   ", None, 3, b"name"])
+def test_turn_rejects_bad_speaker(speaker):
+    with pytest.raises(ConversationError, match="speaker"):
+        Turn(speaker, "text")
+
+
+@pytest.mark.parametrize("content", [None, 3, ["a"], b"bytes"])
+def test_turn_rejects_non_text_content(content):
+    with pytest.raises(ConversationError, match="content must be a string"):
+        Turn("a", content)
+
+
+def test_turn_rejects_non_text_role():
+    with pytest.raises(ConversationError, match="role"):
+        Turn("a", "b", role=1)
+
+
+def test_conversation_error_is_value_error():
+    assert issubclass(ConversationError, ValueError)
+
+
+def test_turn_is_frozen():
+    t = Turn("a", "b")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.speaker = "c"
+
+
+# -------------------------------------------------------------- Conversation
+def test_conversation_basics():
+    conv = _conv(task="Print one.", mistake_step=1, mistake_agent="coder", task_id="t1",
+                 record_id="r/1")
+    assert len(conv) == conv.n_turns == 2
+    assert conv.speakers == ("planner", "coder")
+    assert conv.mistake_speaker == "coder"
+    assert isinstance(conv.turns, tuple)
+    assert [t.speaker for t in conv] == ["planner", "coder"]
+    assert conv[0].content == "Let's search."
+    assert conv[-1].role == "assistant"
+    assert "record_id='r/1'" in repr(conv) and "mistake_step=1" in repr(conv)
+    assert _conv().mistake_speaker is None
+    assert "mistake_step" not in repr(_conv())
+
+
+def test_conversation_normalises_fields():
+    conv = _conv(task=None, expected_answer=1.5, task_id=7, mistake_step=np.int64(1))
+    assert conv.task == ""
+    assert conv.expected_answer == "1.5"
+    assert conv.task_id == "7"
+    assert conv.mistake_step == 1 and type(conv.mistake_step) is int
+    assert _conv(expected_answer=None).expected_answer == ""
+    assert _conv(expected_answer=42).expected_answer == "42"
+
+
+@pytest.mark.parametrize("turns", ["abc", b"abc", 3, None, (t for t in [Turn("a", "b")])])
+def test_conversation_rejects_non_sequence_turns(turns):
+    with pytest.raises(ConversationError, match="sequence of Turn"):
+        Conversation(turns)
+
+
+def test_conversation_rejects_empty_and_non_turns():
+    with pytest.raises(ConversationError, match="at least one turn"):
+        Conversation([])
+    with pytest.raises(ConversationError, match="turn 1 is a dict"):
+        Conversation([Turn("a", "b"), {"speaker": "a", "content": "b"}], record_id="x/1")
+
+
+@pytest.mark.parametrize("field", ["task", "expected_answer"])
+@pytest.mark.parametrize("value", [["a"], {"a": 1}, True])
+def test_conversation_rejects_non_text_task_fields(field, value):
+    with pytest.raises(ConversationError, match=field):
+        _conv(**{field: value})
+
+
+@pytest.mark.parametrize("step", [True, 1.0, "1", [1], np.float64(1.0)])
+def test_conversation_rejects_non_int_mistake_step(step):
+    with pytest.raises(ConversationError, match="'mistake_step' must be an int"):
+        _conv(mistake_step=step, record_id="x/9")
+
+
+@pytest.mark.parametrize("step", [-1, 2, 100])
+def test_conversation_rejects_out_of_range_mistake_step(step):
+    with pytest.raises(ConversationError, match=r"outside the history \(0\.\.1\)") as info:
+        _conv(mistake_step=step, record_id="AG/3")
+    assert "AG/3" in str(info.value)
+
+
+def test_conversation_rejects_bad_agent_and_metadata():
+    with pytest.raises(ConversationError, match="mistake_agent"):
+        _conv(mistake_agent=3)
+    with pytest.raises(ConversationError, match="metadata"):
+        _conv(metadata=[("a", 1)])
+
+
+def test_conversation_is_immutable():
+    source = {"level": 1}
+    conv = _conv(metadata=source)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        conv.mistake_step = 0
+    with pytest.raises(TypeError):
+        conv.metadata["level"] = 2
+    source["level"] = 99  # the conversation kept a copy
+    assert conv.metadata["level"] == 1
+    with pytest.raises(TypeError):
+        conv.turns[0] = Turn("x", "y")
+
+
+def test_equality_and_hash_ignore_metadata():
+    a = _conv(mistake_step=1, metadata={"a": 1})
+    b = _conv(mistake_step=1, metadata={"a": 2})
+    assert a == b and hash(a) == hash(b)
+    assert a != _conv(mistake_step=0)
+    assert len({a, b, _conv(mistake_step=0)}) == 2
+
+
+def test_to_dict_from_dict_round_trip_and_json():
+    conv = _conv(task="t", expected_answer="e", task_id="id", mistake_step=1,
+                 mistake_agent="coder", record_id="r", metadata={"level": 2, "tags": {"x"}})
+    data = conv.to_dict()
+    text = json.dumps(data)  # JSON-serialisable, even with a set in metadata
+    back = Conversation.from_dict(json.loads(text))
+    assert back == conv
+    assert back.turns == conv.turns
+    assert back.metadata["level"] == 2
+    assert back.metadata["tags"] == "{'x'}"  # non-JSON values become their text
+    assert Conversation.from_dict(_conv().to_dict()) == _conv()
+
+
+def test_pickle_copy_and_joblib_hash():
+    conv = _conv(mistake_step=1, metadata={"a": [1, 2]})
+    back = pickle.loads(pickle.dumps(conv))
+    assert back == conv and back.metadata == {"a": [1, 2]}
+    with pytest.raises(TypeError):  # still read-only after unpickling
+        back.metadata["a"] = 0
+    deep = copy.deepcopy(conv)
+    assert deep == conv and deep.metadata == {"a": [1, 2]}
+    assert joblib.hash(conv) == joblib.hash(back)
+    assert joblib.hash(conv) != joblib.hash(_conv(mistake_step=0))
+
+
+# ---------------------------------------------------------- from_who_and_when
+def test_from_who_and_when_algorithm_generated():
+    conv = Conversation.from_who_and_when(_record(), record_id="Algorithm-Generated/7")
+    assert conv.speakers == ("Math_Expert", "Computer_terminal", "Math_Expert")
+    assert conv.mistake_step == 2 and isinstance(conv.mistake_step, int)
+    assert conv.mistake_agent == "Math_Expert"
+    assert conv.task == "What is 2+2?" and conv.expected_answer == "4"
+    assert conv.task_id == "task-1" and conv.record_id == "Algorithm-Generated/7"
+    assert [t.role for t in conv] == ["assistant", "user", "assistant"]
+    assert dict(conv.metadata) == {"mistake_reason": "Misread the output.", "level": 1}
+
+
+def test_from_who_and_when_hand_crafted_uses_role_as_speaker():
+    history = [
+        {"content": "task", "role": "human"},
+        {"content": "plan", "role": "Orchestrator (thought)"},
+        {"content": "go", "role": "Orchestrator (-> WebSurfer)"},
+        {"content": "page", "role": "WebSurfer"},
+    ]
+    conv = Conversation.from_who_and_when(_record(history=history, mistake_step="3",
+                                                  mistake_agent="WebSurfer"))
+    assert conv.speakers == ("human", "Orchestrator (thought)", "Orchestrator (-> WebSurfer)",
+                             "WebSurfer")
+    assert conv.mistake_speaker == "WebSurfer"
+
+
+def test_from_who_and_when_name_fallbacks():
+    history = [
+        {"content": "a", "role": "assistant", "name": "  "},  # blank name -> role
+        {"content": "b", "role": "user", "name": None},  # null name -> role
+        {"content": "c", "role": 5, "name": "Expert"},  # non-text role is dropped
+    ]
+    conv = Conversation.from_who_and_when(_record(history=history, mistake_step="0"))
+    assert conv.speakers == ("assistant", "user", "Expert")
+    assert conv[2].role is None
+
+
+@pytest.mark.parametrize("raw, expected", [("2", 2), (" 1 ", 1), (0, 0), ("0", 0)])
+def test_from_who_and_when_accepts_integer_steps(raw, expected):
+    assert Conversation.from_who_and_when(_record(mistake_step=raw)).mistake_step == expected
+
+
+@pytest.mark.parametrize("raw", ["2.0", 2.0, True, None, "two", "", [1]])
+def test_from_who_and_when_rejects_non_integer_step(raw):
+    with pytest.raises(ConversationError, match="is not an integer") as info:
+        Conversation.from_who_and_when(_record(mistake_step=raw), record_id="AG/5")
+    assert "'AG/5'" in str(info.value)
+
+
+@pytest.mark.parametrize("raw", ["-1", "3", 10])
+def test_from_who_and_when_rejects_out_of_range_step(raw):
+    with pytest.raises(ConversationError, match=r"outside the history \(0\.\.2\)"):
+        Conversation.from_who_and_when(_record(mistake_step=raw))
+
+
+@pytest.mark.parametrize("key", ["question", "history", "mistake_step", "mistake_agent"])
+def test_from_who_and_when_missing_key(key):
+    record = _record()
+    del record[key]
+    with pytest.raises(ConversationError, match=rf"missing required field\(s\) \['{key}'\]"):
+        Conversation.from_who_and_when(record, record_id="HC/2")
+
+
+def test_from_who_and_when_optional_keys_may_be_missing():
+    record = _record()
+    del record["ground_truth"], record["question_ID"]
+    conv = Conversation.from_who_and_when(record)
+    assert conv.expected_answer == "" and conv.task_id is None
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"history": []}, "'history' is empty"),
+        ({"history": "text"}, "'history' must be a list"),
+        ({"history": {"0": {}}}, "'history' must be a list"),
+        ({"history": [["not", "a", "dict"]]}, r"history\[0\] is not an object"),
+        ({"history": [{"content": "x"}]}, r"history\[0\] has no speaker"),
+        ({"history": [{"content": "x", "role": "", "name": ""}]}, r"history\[0\] has no speaker"),
+        ({"history": [{"content": "x", "role": "a"}, {"content": None, "role": "b"}]},
+         r"history\[1\]\.content must be text, got NoneType"),
+        ({"history": [{"content": 3, "role": "a"}]},
+         r"history\[0\]\.content must be text, got int"),
+        ({"history": [{"role": "a"}]}, r"history\[0\]\.content must be text"),
+        ({"mistake_agent": None}, "'mistake_agent' must be text"),
+        ({"ground_truth": ["4"]}, "'expected_answer' must be text"),
+    ],
+)
+def test_from_who_and_when_errors(change, message):
+    record = _record(**change)
+    if "history" in change and change["history"] and isinstance(change["history"], list):
+        record["mistake_step"] = "0"
+    with pytest.raises(ConversationError, match=message):
+        Conversation.from_who_and_when(record, record_id="AG/1")
+
+
+def test_from_who_and_when_rejects_non_mapping():
+    with pytest.raises(ConversationError, match="expected a JSON object, got list"):
+        Conversation.from_who_and_when([1, 2], record_id="x")
+
+
+def test_from_who_and_when_question_none_and_numeric_ground_truth():
+    conv = Conversation.from_who_and_when(_record(question=None, ground_truth=17))
+    assert conv.task == "" and conv.expected_answer == "17"
+
+
+# --------------------------------------------------------------- from_messages
+def test_from_messages_speakers_and_fields():
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "name": "planner", "content": "plan"},
+        {"role": "assistant", "name": "", "content": "fallback"},
+    ]
+    conv = Conversation.from_messages(messages, task="t", task_id=3, mistake_step=1,
+                                      mistake_agent="planner", record_id="m/1",
+                                      metadata={"source": "test"})
+    assert conv.speakers == ("user", "planner", "assistant")
+    assert [t.role for t in conv] == ["user", "assistant", "assistant"]
+    assert conv.task_id == "3" and conv.mistake_step == 1 and conv.record_id == "m/1"
+    assert conv.metadata["source"] == "test"
+
+
+def test_from_messages_custom_speaker_key():
+    messages = [{"agent": "A", "content": "x"}, {"agent": "B", "content": "y", "role": "r"}]
+    conv = Conversation.from_messages(messages, speaker_key="agent")
+    assert conv.speakers == ("A", "B")
+
+
+def test_from_messages_fallback_disabled():
+    with pytest.raises(ConversationError, match=r"message 0 has no speaker under \['name'\]"):
+        Conversation.from_messages([{"role": "user", "content": "x"}], fallback_speaker_key=None)
+    with pytest.raises(ConversationError, match=r"no speaker under \['name', 'role'\]"):
+        Conversation.from_messages([{"content": "x"}])
+
+
+def test_from_messages_content_none_names_message():
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None,
+                                                   "tool_calls": [{"id": "1"}]}]
+    with pytest.raises(ConversationError, match=r"message 1 field 'content' must be text, got "
+                                                r"NoneType") as info:
+        Conversation.from_messages(messages, record_id="run-4")
+    assert "run-4" in str(info.value)
+
+
+@pytest.mark.parametrize("messages", ["text", b"x", {"role": "user"}, 5, None])
+def test_from_messages_rejects_non_list(messages):
+    with pytest.raises(ConversationError, match="must be a list of dicts"):
+        Conversation.from_messages(messages)
+
+
+def test_from_messages_other_errors():
+    with pytest.raises(ConversationError, match="'messages' is empty"):
+        Conversation.from_messages([])
+    with pytest.raises(ConversationError, match="message 0 is not a dict"):
+        Conversation.from_messages(["hello"])
+    with pytest.raises(ConversationError, match="outside the history"):
+        Conversation.from_messages([{"role": "u", "content": "x"}], mistake_step=1)
+
+
+# ----------------------------------------------------------------- hypothesis
+_names = st.text(min_size=1, max_size=12).filter(lambda s: s.strip())
+_message = st.fixed_dictionaries(
+    {"content": st.text(max_size=30), "role": _names},
+    optional={"name": st.one_of(_names, st.just(""), st.none())},
+)
+
+
+@st.composite
+def _records(draw):
+    history = draw(st.lists(_message, min_size=1, max_size=8))
+    step = draw(st.integers(0, len(history) - 1))
+    pad = draw(st.sampled_from(["", " ", "\t"]))
+    as_int = draw(st.booleans())
+    return {
+        "question": draw(st.text(max_size=20)),
+        "ground_truth": draw(st.one_of(st.text(max_size=10), st.integers())),
+        "question_ID": draw(st.text(min_size=1, max_size=10)),
+        "history": history,
+        "mistake_step": step if as_int else f"{pad}{step}{pad}",
+        "mistake_agent": draw(_names),
+        "mistake_reason": draw(st.text(max_size=10)),
+    }
+
+
+@settings(max_examples=60, deadline=None)
+@given(_records())
+def test_hypothesis_records_round_trip(record):
+    conv = Conversation.from_who_and_when(record, record_id="h/1")
+    expected_speakers = tuple(
+        m["name"] if isinstance(m.get("name"), str) and m["name"].strip() else m["role"]
+        for m in record["history"]
+    )
+    assert conv.speakers == expected_speakers
+    assert [t.content for t in conv] == [m["content"] for m in record["history"]]
+    assert isinstance(conv.mistake_step, int)
+    assert conv.mistake_step == int(str(record["mistake_step"]).strip())
+    assert 0 <= conv.mistake_step < len(conv)
+    assert conv.expected_answer == str(record["ground_truth"])
+    back = Conversation.from_dict(json.loads(json.dumps(conv.to_dict())))
+    assert back == conv
+    assert dict(back.metadata) == {"mistake_reason": record["mistake_reason"]}
