@@ -374,13 +374,14 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
         score_times = np.array([o["score_time"] for o in out]).reshape(
             len(sites), n_splits
         )
-        if np.all(np.isnan(scores)):
+        means = scores.mean(axis=1)
+        if np.all(np.isnan(means)):
             raise ValueError(
-                "every fit failed at every site; see the FitFailedWarnings above, or "
-                "set error_score='raise' to see the first error."
+                "no site has a finite mean cross-validation score (every site failed "
+                "in at least one fold); see the FitFailedWarnings above, or set "
+                "error_score='raise' to see the first error."
             )
 
-        means = scores.mean(axis=1)
         stds = scores.std(axis=1)
         # NaN means rank last; equal means share the lowest rank ("min").
         filled = np.where(np.isnan(means), np.nanmin(means) - 1.0, means)

@@ -7,6 +7,8 @@ language model.
 """
 
 import pickle
+import traceback
+import unittest
 import warnings
 
 import joblib
@@ -161,6 +163,24 @@ def test_int_cv_is_not_stratified(data):
         cross_val_score(GroupedArgmaxLogisticClassifier(site="s2"), X_tr, y_tr, cv=3)
 
 
+def test_probe_grid_search_and_pipeline_with_metadata_routing(data):
+    # ``groups`` in the probes' fit signature is marked UNUSED, so routing it to the
+    # splitter does not trip "unrequested metadata" errors; Pipeline.score passes
+    # sample_weight=None, which the probes' score accepts.
+    X_tr, y_tr, _, _ = data
+    X1 = X_tr.select_sites("s2")
+    groups = np.asarray(X_tr.task_ids)
+    with sklearn.config_context(enable_metadata_routing=True):
+        search = GridSearchCV(GroupedArgmaxLogisticClassifier(), {"C": [0.1, 1.0]},
+                              cv=GroupKFold(3)).fit(X1, y_tr, groups=groups)
+        assert search.best_score_ > 0.6
+        pipe = Pipeline([("s", PerTurn(StandardScaler())),
+                         ("p", GroupedArgmaxLogisticClassifier())])
+        scores = cross_validate(pipe, X1, y_tr, cv=GroupKFold(3),
+                                params={"groups": groups})["test_score"]
+        assert np.all(np.isfinite(scores)) and scores.mean() > 0.6
+
+
 def test_nested_cv_with_metadata_routing(data):
     X, y = make_sites(72, task_ids=False)  # groups must come through routing
     groups = np.arange(72) // 2
@@ -295,7 +315,16 @@ def expected_failed_checks(estimator):
     xfail_strict=True,
 )
 def test_sklearn_compatible_estimator(estimator, check):
-    check(estimator)
+    # pytest's rendering of the expected failures' tracebacks through sklearn's
+    # 5000-line estimator_checks.py costs ~20 s of CPU; render them with the
+    # standard library instead (same information, a fraction of the time).
+    try:
+        check(estimator)
+    except unittest.SkipTest:
+        raise
+    except Exception as exc:
+        details = "".join(traceback.format_exception(exc, limit=-4))
+        raise AssertionError(f"{check} failed:\n{details}") from None
 
 
 # ------------------------------------------------------------- end to end
@@ -332,6 +361,7 @@ def test_end_to_end_from_conversations(tiny_model):
     sel = pipe.named_steps["sel"]
     Xt = pipe[:-1].transform(convs)
     assert isinstance(Xt, TurnFeatures) and len(Xt) == 24
+    assert tuple(sel.cv_results_["site"]) == Xt.sites  # every extracted site compared
     assert sel.best_site_ in Xt.sites
     pred = pipe.predict(convs)
     assert pred.shape == (24,)
@@ -350,8 +380,8 @@ def test_end_to_end_from_conversations(tiny_model):
     assert len(pickle.dumps(cloned)) < 20_000
     n_weight_bytes = sum(p.numel() * p.element_size() for p in tiny_model.parameters())
     assert len(pickle.dumps(cloned)) < n_weight_bytes
+    # The name resolves to the one registered object (process registry, no copy).
     from skafa.models import load_model
 
-    loaded = load_model(TINY_MODEL)
-    loaded_model = loaded[0] if isinstance(loaded, tuple) else getattr(loaded, "model", loaded)
+    loaded_model, _ = load_model(cloned.named_steps["acts"].model)
     assert loaded_model is tiny_model

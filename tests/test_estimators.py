@@ -325,6 +325,18 @@ def test_score_checks_y(planted):
         probe.score(X_te, y_te[:-1])
 
 
+def test_score_sample_weight(planted):
+    X_tr, y_tr, X_te, y_te = planted
+    probe = GroupedArgmaxLogisticClassifier().fit(X_tr, y_tr)
+    hits = probe.predict(X_te) == y_te
+    assert 0 < hits.mean() < 1
+    assert probe.score(X_te, y_te, sample_weight=hits.astype(float)) == 1.0
+    assert probe.score(X_te, y_te, sample_weight=(~hits).astype(float)) == 0.0
+    assert probe.score(X_te, y_te, sample_weight=np.ones(len(X_te))) == pytest.approx(
+        hits.mean()
+    )
+
+
 def test_single_turn_conversations_only():
     X = TurnFeatures(np.random.default_rng(0).normal(size=(4, 8)), [0, 1, 2, 3, 4])
     with pytest.raises(ValueError, match="single turn.*no negative"):
@@ -342,7 +354,8 @@ def test_non_finite_features_fit_and_predict(bad):
     row = X.offsets[3] + 1
     values[row, 5] = bad
     X_bad = TurnFeatures(values, X.offsets, task_ids=X.task_ids)
-    msg = r"non-finite feature.*conversation 3 \(task_id 'task1'\), turn 1, site 'features', feature 5"
+    msg = (r"non-finite feature.*conversation 3 \(task_id 'task1'\), turn 1, "
+           r"site 'features', feature 5")
     with pytest.raises(ValueError, match=msg):
         GroupedArgmaxLogisticClassifier().fit(X_bad, y)
     probe = GroupedArgmaxLogisticClassifier().fit(X, y)

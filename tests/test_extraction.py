@@ -5,7 +5,6 @@ import glob
 import json
 import os
 import pickle
-import time
 import warnings
 from pathlib import Path
 
@@ -478,14 +477,18 @@ def _smollm2_or_skip():
 @pytest.mark.integration
 def test_smollm2_three_algorithm_generated_records(who_and_when_dir):
     _smollm2_or_skip()
-    files = sorted((Path(who_and_when_dir) / "Algorithm-Generated").glob("*.json"),
-                   key=lambda p: p.stat().st_size)[:3]
-    if len(files) < 3:
-        pytest.skip("fewer than 3 Algorithm-Generated records available")
+    files = sorted((Path(who_and_when_dir) / "Algorithm-Generated").glob("*.json"))
     convs = [Conversation.from_who_and_when(json.loads(p.read_text()),
                                             record_id=f"Algorithm-Generated/{p.stem}")
              for p in files]
-    start = time.perf_counter()
+    if len(convs) < 3:
+        pytest.skip("fewer than 3 Algorithm-Generated records available")
+
+    def n_chars(c):
+        return len(c.task) + sum(len(t.content) + len(t.speaker) for t in c.turns)
+
+    # The three shortest records (~1,000 prompt tokens each) keep this test fast.
+    convs = sorted(convs, key=n_chars)[:3]
     t = TurnActivationTransformer("smollm2").fit(convs)
     X = t.transform(convs)
     assert t.n_forward_passes_ == 3
@@ -518,6 +521,6 @@ def test_smollm2_three_algorithm_generated_records(who_and_when_dir):
             got = X[i][:, j]
             rel = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
             assert rel.max() < 1e-3, (conv.record_id, site, rel.max())
-    t.transform(convs)
-    assert t.n_forward_passes_ == 3
-    assert time.perf_counter() - start < 60
+    again = t.transform(convs)
+    assert t.n_forward_passes_ == 3  # second pass served from the memory cache
+    assert np.array_equal(again.values, X.values)

@@ -198,6 +198,18 @@ def test_scoring_string_and_callable(data, fitted):
     )
 
 
+def test_skafa_scorer_names(data, fitted):
+    X_tr, y_tr, _, _ = data
+    top3 = SiteSelector(GroupedArgmaxLogisticClassifier(), cv=GroupKFold(3),
+                        scoring="top3").fit(X_tr, y_tr)
+    assert top3.best_site_ == "s3"
+    assert np.all(top3.cv_results_["mean_test_score"]
+                  >= fitted.cv_results_["mean_test_score"] - 1e-12)
+    agents = SiteSelector(GroupedArgmaxLogisticClassifier(), cv=GroupKFold(3),
+                          scoring="agent_accuracy").fit(X_tr, y_tr)
+    assert agents.best_site_ == "s3"
+
+
 def test_error_score(data):
     X_tr, y_tr, _, _ = data
     values = X_tr.values.copy()
@@ -211,7 +223,7 @@ def test_error_score(data):
     assert sel.best_site_ == "s3"
     with pytest.raises(ValueError, match="non-finite feature"):
         sel.set_params(error_score="raise").fit(X_bad, y_tr)
-    with pytest.warns(FitFailedWarning), pytest.raises(ValueError, match="every fit failed"):
+    with pytest.warns(FitFailedWarning), pytest.raises(ValueError, match="no site has a finite mean"):
         SiteSelector(GroupedArgmaxLogisticClassifier(), sites=["s1"], cv=GroupKFold(3)).fit(
             X_bad, y_tr
         )

@@ -1,0 +1,461 @@
+"""Who&When benchmark: probes next to honest baselines, nested CV, bootstrap CIs.
+
+Every method is evaluated on the SAME outer folds: ``GroupKFold(5)`` by task id,
+repeated over ``--repeats`` shuffles of the fold assignment. Every choice a method
+makes (site, C, ...) is made on inner ``GroupKFold`` folds of the outer training
+part only. Reported per method: step accuracy, agent accuracy (three matching
+rules), within-1 accuracy, mean absolute step shift, n, 95% cluster-bootstrap CIs
+(resampling task ids), and the paired difference of each probe against the best
+baseline.
+
+Usage (from the repository root)::
+
+    python examples/benchmark_who_and_when.py --model smollm2 --subset Algorithm-Generated
+    python examples/benchmark_who_and_when.py --model /path/qwen2.5-coder-0.5b-instruct.gguf \\
+        --tag qwen-coder-0.5b --subset Algorithm-Generated
+    python examples/benchmark_who_and_when.py --smoke        # tiny random model, seconds
+
+Results go to ``--out`` (default ``docs/results``): ``<tag>_<subset>.json``,
+``<tag>_<subset>.md`` (tables) and ``<tag>_<subset>_sites.png`` (per-site curve).
+Activations go through skafa's disk cache (``--cache-dir``), so a re-run does no
+forward pass; the PromptedJudge's scores are cached next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from sklearn.model_selection import GridSearchCV, GroupKFold
+
+import skafa
+from skafa import (
+    DummyStepClassifier,
+    GroupedArgmaxLogisticClassifier,
+    PromptedJudge,
+    PromptTemplate,
+    SiteConcatenator,
+    SiteSelector,
+    TurnActivationTransformer,
+    TurnFeatures,
+    TurnPositionTransformer,
+    TurnTextTransformer,
+)
+from skafa import metrics as M
+from skafa.models import context_length, load_model
+from skafa.prompt import plan
+
+REPO = Path(__file__).resolve().parents[1]
+RULES = ("exact", "normalized", "substring")
+
+
+# --------------------------------------------------------------------- methods
+class Timer:
+    def __init__(self):
+        self.t = {}
+
+    def add(self, key, seconds):
+        self.t[key] = self.t.get(key, 0.0) + seconds
+
+
+def select_C_and_site(X, y, groups, *, Cs, sites, inner, n_jobs, random_state):
+    """SiteSelector per C on the same inner folds; keep the best (ties: smaller C)."""
+    best = None
+    for C in sorted(Cs):
+        sel = SiteSelector(
+            GroupedArgmaxLogisticClassifier(C=C, random_state=random_state),
+            sites=sites, cv=GroupKFold(inner), n_jobs=n_jobs,
+        ).fit(X, y, groups=groups)
+        if best is None or sel.best_score_ > best[1].best_score_:
+            best = (C, sel)
+    return best
+
+
+def grid_C(X, y, groups, *, Cs, inner, n_jobs, random_state):
+    """GridSearchCV over C on inner grouped folds (single-block features)."""
+    gs = GridSearchCV(
+        GroupedArgmaxLogisticClassifier(random_state=random_state),
+        {"C": sorted(Cs)}, cv=GroupKFold(inner), n_jobs=n_jobs,
+    )
+    return gs.fit(X, y, groups=groups)
+
+
+def run_outer_fold(convs, A, y, groups, train, test, args, judge_pred, multi_sites, timer):
+    """Fit every method on ``train`` and predict ``test``. Returns {method: (pred, info)}."""
+    out = {}
+    ctr = [convs[i] for i in train]
+    cte = [convs[i] for i in test]
+    ytr, gtr = y[train], groups[train]
+    Atr, Ate = A[train], A[test]
+    kw = dict(inner=args.inner_folds, n_jobs=args.n_jobs, random_state=0)
+
+    t = time.perf_counter()
+    C, sel = select_C_and_site(Atr, ytr, gtr, Cs=args.Cs, sites=None, **kw)
+    out["probe"] = (sel.predict(Ate), {"site": sel.best_site_, "C": C,
+                                       "inner_curve": sel.cv_results_["mean_test_score"].tolist()})
+    timer.add("cv_probe", time.perf_counter() - t)
+
+    t = time.perf_counter()
+    pos = TurnPositionTransformer().fit(ctr)
+    Ptr, Pte = pos.transform(ctr), pos.transform(cte)
+    AP_tr = TurnFeatures.concatenate([Atr, Ptr], prefixes=["act", "pos"])
+    AP_te = TurnFeatures.concatenate([Ate, Pte], prefixes=["act", "pos"])
+    C, sel = select_C_and_site(AP_tr, ytr, gtr, Cs=args.Cs, sites=None, **kw)
+    out["probe + position"] = (sel.predict(AP_te), {"site": sel.best_site_, "C": C})
+    timer.add("cv_probe_position", time.perf_counter() - t)
+
+    t = time.perf_counter()
+    cat = SiteConcatenator(multi_sites).fit(Atr)
+    gs = grid_C(cat.transform(Atr), ytr, gtr, Cs=args.Cs, **kw)
+    out["multi-site probe"] = (gs.predict(cat.transform(Ate)), {"C": gs.best_params_["C"]})
+    timer.add("cv_multisite", time.perf_counter() - t)
+
+    t = time.perf_counter()
+    gs = grid_C(Ptr, ytr, gtr, Cs=args.Cs, **kw)
+    out["position-only"] = (gs.predict(Pte), {"C": gs.best_params_["C"]})
+    txt = TurnTextTransformer().fit(ctr)
+    gs = grid_C(txt.transform(ctr), ytr, gtr, Cs=args.Cs, **kw)
+    out["TF-IDF"] = (gs.predict(txt.transform(cte)), {"C": gs.best_params_["C"]})
+    for strategy in ("first", "most_frequent", "most_frequent_relative", "uniform"):
+        d = DummyStepClassifier(strategy=strategy, random_state=0).fit(ctr, ytr)
+        out[f"dummy: {strategy}"] = (d.predict(cte), {})
+    timer.add("cv_baselines", time.perf_counter() - t)
+    if judge_pred is not None:
+        out["PromptedJudge (logprob)"] = (judge_pred[test], {})
+    return out
+
+
+def site_curve_oof(A, y, groups, splits, C):
+    """Outer-fold accuracy of every single site at fixed C (optimistic if used to choose)."""
+    acc = np.zeros(A.n_sites)
+    for j, site in enumerate(A.sites):
+        As = A.select_sites(site)
+        correct = []
+        for train, test in splits:
+            est = GroupedArgmaxLogisticClassifier(C=C, random_state=0).fit(As[train], y[train])
+            correct.append(est.predict(As[test]) == y[test])
+        acc[j] = np.mean(np.concatenate(correct))
+    return acc
+
+
+# ---------------------------------------------------------------------- scoring
+def summarise(preds, y, convs, groups, *, n_resamples, seed):
+    """Per-method metrics averaged over repeats, with cluster-bootstrap CIs."""
+    true_agents = np.array([c.mistake_agent for c in convs], dtype=object)
+    n_turns = np.array([len(c) for c in convs])
+    rows = {}
+    per_conv = {}
+    for name, P in preds.items():  # P: (n_repeats, n)
+        correct = (P == y[None, :]).mean(axis=0)
+        within1 = (np.abs(P - y[None, :]) <= 1).mean(axis=0)
+        shift = np.abs(P - y[None, :]).mean(axis=0)
+        agents = {
+            rule: np.mean([
+                [M.agent_accuracy([true_agents[i]], [convs[i].speakers[P[r, i]]], rule=rule)
+                 for i in range(len(y))]
+                for r in range(P.shape[0])
+            ], axis=0)
+            for rule in RULES
+        }
+        per_conv[name] = correct
+        ci = lambda v: M.bootstrap_ci_from_scores(  # noqa: E731
+            v, n_resamples=n_resamples, random_state=seed, groups=groups)
+        rows[name] = {
+            "step_accuracy": _res(ci(correct)),
+            "step_accuracy_per_repeat": [float(np.mean(P[r] == y)) for r in range(P.shape[0])],
+            **{f"agent_accuracy_{rule}": _res(ci(v)) for rule, v in agents.items()},
+            "within_1": _res(ci(within1)),
+            "mean_abs_shift": _res(ci(shift)),
+            "n": int(len(y)),
+        }
+    rows["_uniform_expected"] = float(np.mean(1.0 / n_turns))
+    return rows, per_conv
+
+
+def _res(r):
+    return {"estimate": float(r.estimate), "low": float(r.low), "high": float(r.high)}
+
+
+def paired(per_conv, a, b, groups, *, n_resamples, seed):
+    diff = per_conv[a] - per_conv[b]
+    r = M.bootstrap_ci_from_scores(diff, n_resamples=n_resamples, random_state=seed, groups=groups)
+    return _res(r)
+
+
+# ---------------------------------------------------------------------- reports
+def fmt(r, pct=True):
+    if pct:
+        return f"{100 * r['estimate']:.1f} [{100 * r['low']:.1f}, {100 * r['high']:.1f}]"
+    return f"{r['estimate']:.2f} [{r['low']:.2f}, {r['high']:.2f}]"
+
+
+def markdown(result):
+    s = result["summary"]
+    lines = [
+        f"### {result['model_label']} on Who&When {result['subset']} "
+        f"(n = {result['n_conversations']} conversations)",
+        "",
+        f"Command: `{result['command']}`  ",
+        f"Machine: {result['machine']}; {result['date']}.  ",
+        f"Outer CV: GroupKFold({result['folds']}) by task id x {result['repeats']} shuffles; "
+        f"inner CV: GroupKFold({result['inner_folds']}); C grid {result['Cs']}.  ",
+        f"Prompt: {result['prompt_note']}",
+        "",
+        "| method | step acc % [95% CI] | agent acc % (exact) | agent (normalized) | "
+        "agent (substring) | within-1 % | mean abs shift | n |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    order = sorted((k for k in s if not k.startswith("_")),
+                   key=lambda k: -s[k]["step_accuracy"]["estimate"])
+    for k in order:
+        r = s[k]
+        lines.append(
+            f"| {k} | {fmt(r['step_accuracy'])} | {fmt(r['agent_accuracy_exact'])} | "
+            f"{fmt(r['agent_accuracy_normalized'])} | {fmt(r['agent_accuracy_substring'])} | "
+            f"{fmt(r['within_1'])} | {fmt(r['mean_abs_shift'], pct=False)} | {r['n']} |"
+        )
+    lines += ["", f"Uniform random guess, expected step accuracy: "
+                  f"{100 * s['_uniform_expected']:.1f}%.", ""]
+    lines += ["Paired differences in step accuracy (same conversations, same folds; "
+              f"best baseline = **{result['best_baseline']}**):", "",
+              "| comparison | difference, points [95% CI] |", "|---|---|"]
+    for k, r in result["paired"].items():
+        lines.append(f"| {k} | {100 * r['estimate']:+.1f} [{100 * r['low']:+.1f}, "
+                     f"{100 * r['high']:+.1f}] |")
+    lines += ["", "Chosen settings across the outer fits: " + result["choices_note"], "",
+              f"Context: {result['context_note']}", "",
+              "Wall times: " + ", ".join(f"{k} {v:.0f}s" for k, v in result["times"].items()),
+              ""]
+    return "\n".join(lines)
+
+
+def plot(result, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install 'skafa[plot]')")
+        return None
+    sites = result["sites"]
+    x = np.arange(len(sites))
+    fig, ax = plt.subplots(figsize=(11, 4))
+    ax.plot(x, 100 * np.array(result["site_curve_inner"]), label="inner-CV step accuracy "
+            "(mean over outer fits; what SiteSelector saw)")
+    ax.plot(x, 100 * np.array(result["site_curve_oof"]), label="outer-fold step accuracy "
+            "per fixed site (optimistic if used to choose)", alpha=0.8)
+    for name, style in (("position-only", ":"), ("dummy: most_frequent", "--")):
+        if name in result["summary"]:
+            ax.axhline(100 * result["summary"][name]["step_accuracy"]["estimate"],
+                       ls=style, color="gray", label=name)
+    step = max(1, len(sites) // 20)
+    ax.set_xticks(x[::step])
+    ax.set_xticklabels([sites[i] for i in x[::step]], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("step accuracy (%)")
+    ax.set_title(f"{result['model_label']} - Who&When {result['subset']}: accuracy per site")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------- main
+def judge_predictions(args, convs, template, cache_dir):
+    """Zero-shot judge scores for every conversation, cached as JSON next to activations."""
+    judge = PromptedJudge(model=args.model, prompt=template, dtype=args.dtype)
+    judge.fit(convs)
+    key = hashlib.sha256(json.dumps({
+        "model": judge.model_identity_ if hasattr(judge, "model_identity_") else args.model,
+        "prompt": template.fingerprint(), "answer_prefix": judge.answer_prefix,
+        "convs": [skafa.cache.conversation_content(c) for c in convs],
+    }, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    path = Path(cache_dir) / f"judge-{key}.json" if cache_dir else None
+    if path is not None and path.exists():
+        scores = [np.array(s) for s in json.loads(path.read_text())]
+    else:
+        scores = judge.turn_decision_function(convs)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps([s.tolist() for s in scores]))
+    return np.array([int(np.argmax(s)) for s in scores])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="smollm2, a .gguf path, folder or hub id")
+    p.add_argument("--tag", default=None, help="label used in file names and tables")
+    p.add_argument("--data", default=os.environ.get(
+        "SKAFA_WHO_AND_WHEN", str(REPO.parent / "shared" / "data" / "who_and_when")))
+    p.add_argument("--subset", default="Algorithm-Generated")
+    p.add_argument("--limit", type=int, default=None, help="first N records only")
+    p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/skafa"))
+    p.add_argument("--out", default=str(REPO / "docs" / "results"))
+    p.add_argument("--max-prompt-tokens", type=int, default=8192,
+                   help="prompt budget; longer prompts are shortened (middle of the longest "
+                        "turns first) and counted. Capped at the model's context.")
+    p.add_argument("--folds", type=int, default=5)
+    p.add_argument("--inner-folds", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--Cs", type=float, nargs="+", default=[0.001, 0.01, 0.1])
+    p.add_argument("--n-jobs", type=int, default=1)
+    p.add_argument("--n-resamples", type=int, default=2000)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--no-judge", action="store_true", help="skip the PromptedJudge baseline")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny random model + synthetic conversations (seconds; for CI)")
+    args = p.parse_args(argv)
+    t_all = time.perf_counter()
+    timer = Timer()
+
+    if args.smoke:
+        from skafa.models import register_model
+        from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
+
+        register_model("tiny-llama-benchmark", make_tiny_llama(n_layers=2),
+                       make_tiny_tokenizer(), overwrite=True)
+        args.model, args.tag, subset_label = "tiny-llama-benchmark", args.tag or "smoke", "synthetic"
+        convs = make_conversations(40, min_turns=3, max_turns=6, seed=0)
+        args.folds, args.inner_folds, args.repeats = 2, 2, 1
+        args.Cs, args.n_resamples, args.max_prompt_tokens = [0.1], 200, 512
+        command = "python examples/benchmark_who_and_when.py --smoke"
+    else:
+        data = skafa.load_who_and_when(args.data, subset=args.subset)
+        convs = data.conversations[: args.limit] if args.limit else data.conversations
+        subset_label = args.subset
+        command = "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]) \
+            if argv is None else "python examples/benchmark_who_and_when.py " + " ".join(argv)
+    tag = args.tag or Path(str(args.model)).stem.split(".")[0]
+    y = np.array([c.mistake_step for c in convs])
+    groups = np.array([c.task_id for c in convs], dtype=object)
+
+    # ---- prompt budget and the conversations that do not fit
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    ctx = context_length(model)
+    budget = min(ctx, args.max_prompt_tokens)
+    raw = plan(convs, tokenizer, PromptTemplate(), max_tokens=ctx)
+    over_ctx = int(sum(not r["fits"] for r in raw))
+    over_budget = int(sum(r["n_tokens"] > budget for r in raw))
+    template = PromptTemplate(shorten="middle_first", max_prompt_tokens=budget)
+    shortened = plan(convs, tokenizer, template, max_tokens=budget)
+    n_short = int(sum(r["chars_removed"] > 0 for r in shortened))
+    total_chars = sum(sum(len(t.content) for t in c.turns) for c in convs)
+    removed = int(shortened.total_chars_removed)
+    context_note = (
+        f"model context {ctx} tokens, prompt budget {budget}. Unshortened, {over_ctx} of "
+        f"{len(convs)} prompts exceed the context and {over_budget} exceed the budget; "
+        f"policy `PromptTemplate(shorten='middle_first', max_prompt_tokens={budget})` shortened "
+        f"{n_short} conversations, removing {removed:,} of {total_chars:,} turn characters "
+        f"({100 * removed / max(total_chars, 1):.1f}%). Nothing was dropped.")
+    print(context_note, flush=True)
+
+    # ---- extraction (all sites, one pass per conversation, disk cache)
+    t = time.perf_counter()
+    acts = TurnActivationTransformer(model=args.model, prompt=template, dtype=args.dtype,
+                                     cache_dir=args.cache_dir, verbose=1).fit(convs)
+    A = acts.transform(convs)
+    timer.add("extraction", time.perf_counter() - t)
+    n_fwd = acts.n_forward_passes_
+    print(f"extraction: {A} in {timer.t['extraction']:.0f}s, forward passes {n_fwd}", flush=True)
+
+    judge_pred = None
+    if not args.no_judge:
+        t = time.perf_counter()
+        judge_pred = judge_predictions(args, convs, template, args.cache_dir)
+        timer.add("judge", time.perf_counter() - t)
+        print(f"judge: {timer.t['judge']:.0f}s", flush=True)
+
+    L = acts.n_layers_
+    multi_sites = [f"resid_pre.{L // 4}", f"resid_pre.{L // 2}", f"resid_pre.{3 * L // 4}",
+                   "resid_final"]
+    multi_sites = list(dict.fromkeys(multi_sites))
+
+    # ---- nested CV on shared outer folds
+    names, preds, infos, all_splits = None, {}, [], []
+    for r in range(args.repeats):
+        outer = GroupKFold(args.folds, shuffle=True, random_state=r)
+        rep = {}
+        for k, (train, test) in enumerate(outer.split(A, y, groups)):
+            all_splits.append((train, test))
+            out = run_outer_fold(convs, A, y, groups, train, test, args, judge_pred,
+                                 multi_sites, timer)
+            for name, (pred, info) in out.items():
+                rep.setdefault(name, np.full(len(y), -1))[test] = pred
+                infos.append({"repeat": r, "fold": k, "method": name, **info})
+            print(f"repeat {r} fold {k}: probe site {out['probe'][1]['site']} "
+                  f"C={out['probe'][1]['C']}", flush=True)
+        for name, P in rep.items():
+            preds.setdefault(name, []).append(P)
+    preds = {k: np.stack(v) for k, v in preds.items()}
+    summary, per_conv = summarise(preds, y, convs, groups, n_resamples=args.n_resamples, seed=0)
+
+    probes = ["probe", "probe + position", "multi-site probe"]
+    baselines = [k for k in preds if k not in probes]
+    best_baseline = max(baselines, key=lambda k: summary[k]["step_accuracy"]["estimate"])
+    paired_res = {}
+    for pr in probes:
+        for b in dict.fromkeys([best_baseline, "position-only"]):
+            paired_res[f"{pr} - {b}"] = paired(per_conv, pr, b, groups,
+                                               n_resamples=args.n_resamples, seed=0)
+
+    # ---- per-site curves
+    inner = np.mean([i["inner_curve"] for i in infos if i["method"] == "probe"], axis=0)
+    chosen_C = [i["C"] for i in infos if i["method"] == "probe"]
+    C_mode = max(set(chosen_C), key=chosen_C.count)
+    t = time.perf_counter()
+    oof = site_curve_oof(A, y, groups, all_splits[: args.folds], C_mode)
+    timer.add("site_curve", time.perf_counter() - t)
+
+    def choices(method, key):
+        vals = [str(i[key]) for i in infos if i["method"] == method and key in i]
+        return ", ".join(f"{v} x{vals.count(v)}" for v in dict.fromkeys(vals))
+
+    choices_note = "; ".join([
+        f"probe site: {choices('probe', 'site')}", f"probe C: {choices('probe', 'C')}",
+        f"probe+position site: {choices('probe + position', 'site')}",
+        f"multi-site sites {multi_sites}, C: {choices('multi-site probe', 'C')}",
+        f"position-only C: {choices('position-only', 'C')}",
+        f"TF-IDF C: {choices('TF-IDF', 'C')}",
+    ])
+    timer.add("total", time.perf_counter() - t_all)
+    label = {"smollm2": "SmolLM2-135M-Instruct"}.get(args.model, tag)
+    result = {
+        "model": str(args.model), "model_label": label, "tag": tag, "subset": subset_label,
+        "n_conversations": len(convs), "folds": args.folds, "inner_folds": args.inner_folds,
+        "repeats": args.repeats, "Cs": args.Cs, "command": command,
+        "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python "
+                   f"{platform.python_version()}, torch {__import__('torch').__version__}",
+        "date": time.strftime("%Y-%m-%d"),
+        "prompt_note": f"`PromptTemplate(shorten='middle_first', max_prompt_tokens={budget})`, "
+                       f"fingerprint {template.fingerprint()[:12]}",
+        "context_note": context_note, "n_forward_passes": int(n_fwd),
+        "sites": list(A.sites), "site_curve_inner": inner.tolist(),
+        "site_curve_oof": oof.tolist(), "site_curve_oof_C": C_mode,
+        "summary": summary, "best_baseline": best_baseline, "paired": paired_res,
+        "choices_note": choices_note, "choices": infos if args.smoke else [
+            {k: v for k, v in i.items() if k != "inner_curve"} for i in infos],
+        "times": {k: round(v, 1) for k, v in timer.t.items()},
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{tag}_{subset_label}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
+    md = markdown(result)
+    png = plot(result, out / f"{stem}_sites.png")
+    if png:
+        md += f"\n![per-site accuracy]({Path(png).name})\n"
+    (out / f"{stem}.md").write_text(md)
+    print(md)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,770 @@
+"""One-object failure attribution: :class:`FailureAttributor`.
+
+A small facade over the pieces skafa is made of, for users who want an answer
+rather than a pipeline::
+
+    Pipeline([
+        ("acts", TurnActivationTransformer(model, sites=sites, prompt=prompt, ...)),
+        ("select", SiteSelector(GroupedArgmaxLogisticClassifier(C=C), cv=cv)),
+    ])
+
+It adds what a user otherwise writes by hand: labels and groups read from the
+conversations, an :meth:`~FailureAttributor.evaluate` with bootstrap confidence
+intervals, a per-conversation :meth:`~FailureAttributor.attribute` that returns
+a readable :class:`Attribution`, and :meth:`~FailureAttributor.save` /
+:meth:`~FailureAttributor.load` without pickle (:mod:`skafa.persistence`).
+Everything it computes comes from the fitted :attr:`~FailureAttributor.pipeline_`.
+"""
+
+# Authors: The skafa developers
+# SPDX-License-Identifier: MIT
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+from sklearn.base import BaseEstimator
+from sklearn.model_selection import GroupKFold
+from sklearn.pipeline import Pipeline
+from sklearn.utils.validation import check_is_fitted
+
+from .conversation import Conversation
+from .estimators import GroupedArgmaxLogisticClassifier
+from .extraction import TurnActivationTransformer, _check_conversations
+from .metrics import (
+    AGENT_RULES,
+    BootstrapResult,
+    agent_accuracy,
+    bootstrap_ci,
+    mean_absolute_step_shift,
+    step_accuracy,
+    within_k_accuracy,
+)
+from .selection import SiteSelector
+
+__all__ = ["FailureAttributor", "Attribution", "TurnRank", "AttributionReport"]
+
+
+# ---------------------------------------------------------------------------
+# Pipeline delegation
+# ---------------------------------------------------------------------------
+
+
+def _final_step(pipeline, X):
+    """Transform ``X`` through every step but the last; return (last step, Xt).
+
+    :class:`sklearn.pipeline.Pipeline` delegates only the methods it knows
+    (``predict``, ``score``, ...). skafa's conversation-level estimators add
+    ``predict_agent``, ``turn_decision_function`` and ``turn_predict_proba``;
+    this runs the transformers and hands their output to the final step.
+    """
+    check_is_fitted(pipeline)
+    if len(pipeline) > 1:
+        X = pipeline[:-1].transform(X)
+    return pipeline[-1], X
+
+
+def _final_step_call(pipeline, method, X):
+    """Call ``method`` of the final step of a fitted Pipeline on transformed ``X``.
+
+    Parameters
+    ----------
+    pipeline : Pipeline
+        Fitted pipeline whose final step has ``method``.
+    method : str
+        E.g. ``"predict_agent"``, ``"turn_decision_function"``,
+        ``"turn_predict_proba"``.
+    X : object
+        Input of the pipeline's first step.
+
+    Returns
+    -------
+    The final step's ``method(Xt)``.
+    """
+    final, Xt = _final_step(pipeline, X)
+    func = getattr(final, method, None)
+    if func is None:
+        raise AttributeError(
+            f"the final step of the pipeline ({type(final).__name__}) has no method "
+            f"{method!r}."
+        )
+    return func(Xt)
+
+
+# ---------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------
+
+
+def _preview(text, width=80):
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+@dataclass(frozen=True)
+class TurnRank:
+    """One of the highest-scoring turns of an :class:`Attribution`.
+
+    Attributes
+    ----------
+    step : int
+        Turn index (0-based, like ``Conversation.mistake_step``).
+    agent : str
+        Speaker of the turn.
+    score : float
+        The probe's score (decision function) of the turn.
+    probability : float
+        Softmax of the scores over the conversation's turns.
+    preview : str
+        The turn's content, whitespace-collapsed and cut to 80 characters.
+    """
+
+    step: int
+    agent: str
+    score: float
+    probability: float
+    preview: str
+
+    def to_dict(self) -> dict:
+        """Return the fields as a JSON-serialisable dict."""
+        return {"step": self.step, "agent": self.agent, "score": self.score,
+                "probability": self.probability, "preview": self.preview}
+
+
+@dataclass(frozen=True, repr=False, eq=False)
+class Attribution:
+    """Which turn of one conversation the attributor blames, and how surely.
+
+    Attributes
+    ----------
+    step : int
+        Predicted decisive turn (highest score; earliest on ties).
+    agent : str
+        Speaker of that turn.
+    turn_scores : ndarray of shape (n_turns,)
+        The probe's score of every turn.
+    turn_probabilities : ndarray of shape (n_turns,)
+        Softmax of ``turn_scores`` (sums to 1).
+    site : str
+        Activation site the probe reads.
+    top_k : tuple of TurnRank
+        The highest-scoring turns, best first.
+    speakers : tuple of str
+        Speaker of every turn.
+    true_step, true_agent : int or str or None
+        The conversation's labels, when it has them.
+    task_id, record_id : str or None
+        The conversation's identifiers.
+    """
+
+    step: int
+    agent: str
+    turn_scores: np.ndarray
+    turn_probabilities: np.ndarray
+    site: str
+    top_k: tuple = field(default_factory=tuple)
+    speakers: tuple = field(default_factory=tuple)
+    true_step: int | None = None
+    true_agent: str | None = None
+    task_id: str | None = None
+    record_id: str | None = None
+
+    @property
+    def n_turns(self) -> int:
+        """Number of turns of the conversation."""
+        return int(self.turn_scores.shape[0])
+
+    @property
+    def probability(self) -> float:
+        """Probability of the predicted step."""
+        return float(self.turn_probabilities[self.step])
+
+    def to_dict(self) -> dict:
+        """Return a JSON-serialisable dict (arrays as lists)."""
+        return {
+            "step": self.step,
+            "agent": self.agent,
+            "probability": self.probability,
+            "site": self.site,
+            "turn_scores": [float(v) for v in self.turn_scores],
+            "turn_probabilities": [float(v) for v in self.turn_probabilities],
+            "top_k": [r.to_dict() for r in self.top_k],
+            "speakers": list(self.speakers),
+            "true_step": self.true_step,
+            "true_agent": self.true_agent,
+            "task_id": self.task_id,
+            "record_id": self.record_id,
+        }
+
+    def __repr__(self):
+        head = (f"Attribution(step={self.step}, agent={self.agent!r}, "
+                f"p={self.probability:.3f}, site={self.site!r}, n_turns={self.n_turns}")
+        if self.record_id is not None:
+            head += f", record_id={self.record_id!r}"
+        if self.true_step is not None:
+            head += f"; true step={self.true_step}, agent={self.true_agent!r}"
+        lines = [head + ")"]
+        if self.top_k:
+            lines.append(f"  top {len(self.top_k)} turns:")
+            width = max(len(r.agent) for r in self.top_k)
+            for r in self.top_k:
+                mark = "*" if self.true_step is not None and r.step == self.true_step else " "
+                lines.append(
+                    f"  {mark}{r.step:>3}  {r.agent:<{width}}  score {r.score:+8.3f}  "
+                    f"p {r.probability:.3f}  {r.preview!r}"
+                )
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True, repr=False, eq=False)
+class AttributionReport:
+    """Held-out quality of a :class:`FailureAttributor` (from ``evaluate``).
+
+    Every metric is a :class:`~skafa.metrics.BootstrapResult`
+    ``(estimate, low, high, n, confidence)``.
+
+    Attributes
+    ----------
+    step_accuracy : BootstrapResult
+        Fraction of conversations whose decisive step is found exactly.
+    agent_accuracy : dict of str -> BootstrapResult
+        Fraction whose responsible agent is found, under each matching rule of
+        :func:`skafa.metrics.agent_accuracy` (``"exact"``, ``"normalized"``,
+        ``"substring"``), side by side.
+    within_1 : BootstrapResult
+        Fraction whose predicted step is at most one turn off.
+    mean_absolute_shift : BootstrapResult
+        Mean ``|predicted step - true step|`` (lower is better).
+    n : int
+        Number of conversations.
+    site : str
+        Site of the probe.
+    cluster_bootstrap : bool
+        True when whole tasks were resampled (every conversation had a task id).
+    steps, agents : ndarray
+        The predictions.
+    """
+
+    step_accuracy: BootstrapResult
+    agent_accuracy: dict
+    within_1: BootstrapResult
+    mean_absolute_shift: BootstrapResult
+    n: int
+    site: str
+    cluster_bootstrap: bool
+    steps: np.ndarray
+    agents: np.ndarray
+
+    def to_dict(self) -> dict:
+        """Return a JSON-serialisable dict (predictions as lists)."""
+
+        def res(r):
+            return r._asdict()
+
+        return {
+            "step_accuracy": res(self.step_accuracy),
+            "agent_accuracy": {k: res(v) for k, v in self.agent_accuracy.items()},
+            "within_1": res(self.within_1),
+            "mean_absolute_shift": res(self.mean_absolute_shift),
+            "n": self.n,
+            "site": self.site,
+            "cluster_bootstrap": self.cluster_bootstrap,
+            "steps": [int(s) for s in self.steps],
+            "agents": [str(a) for a in self.agents],
+        }
+
+    def __repr__(self):
+        conf = int(round(self.step_accuracy.confidence * 100))
+
+        def fmt(r, digits=3):
+            return f"{r.estimate:.{digits}f} [{r.low:.{digits}f}, {r.high:.{digits}f}]"
+
+        unit = "task-clustered" if self.cluster_bootstrap else "conversation"
+        lines = [
+            f"AttributionReport(n={self.n}, site={self.site!r}, {conf}% {unit} bootstrap CIs)",
+            f"  step accuracy            {fmt(self.step_accuracy)}",
+        ]
+        for rule, r in self.agent_accuracy.items():
+            lines.append(f"  agent accuracy ({rule:<10}) {fmt(r)}")
+        lines.append(f"  within-1 step accuracy   {fmt(self.within_1)}")
+        lines.append(f"  mean absolute shift      {fmt(self.mean_absolute_shift, 2)}")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# Labels from conversations
+# ---------------------------------------------------------------------------
+
+
+def _describe(i, conv):
+    ids = []
+    if conv.task_id is not None:
+        ids.append(f"task_id {conv.task_id!r}")
+    if conv.record_id is not None:
+        ids.append(f"record_id {conv.record_id!r}")
+    return f"conversation {i}" + (f" ({', '.join(ids)})" if ids else "")
+
+
+def _labels_from(convs, caller):
+    """Each conversation's ``mistake_step``; a clear error listing unlabelled ones."""
+    missing = [i for i, c in enumerate(convs) if c.mistake_step is None]
+    if missing:
+        listed = "; ".join(_describe(i, convs[i]) for i in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(
+            f"{caller}: y was not given and {len(missing)} of {len(convs)} conversations "
+            f"carry no mistake_step label: {listed}{more}. Pass y=<decisive step of each "
+            "conversation>, or label the conversations (Conversation(..., mistake_step=...))."
+        )
+    return np.asarray([c.mistake_step for c in convs], dtype=np.int64)
+
+
+def _groups_from(convs):
+    """Task ids when every conversation has one, else None."""
+    ids = [c.task_id for c in convs]
+    if any(t is None for t in ids):
+        return None
+    return np.asarray(ids, dtype=object)
+
+
+def _true_agents(convs, y, defaulted):
+    """Annotated agent where ``y`` is the annotation, else the speaker of turn ``y``."""
+    out = []
+    for conv, step in zip(convs, y):
+        if conv.mistake_agent is not None and (defaulted or conv.mistake_step == step):
+            out.append(conv.mistake_agent)
+        else:
+            out.append(conv.turns[int(step)].speaker)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The facade
+# ---------------------------------------------------------------------------
+
+
+class FailureAttributor(BaseEstimator):
+    """Find the decisive step and agent of failed multi-agent runs, in one object.
+
+    Reads a language model's hidden states at the last token of every turn
+    (:class:`~skafa.extraction.TurnActivationTransformer`) and fits a
+    standardized logistic-regression probe
+    (:class:`~skafa.estimators.GroupedArgmaxLogisticClassifier`) at the
+    activation site chosen by grouped cross-validation on the training data
+    (:class:`~skafa.selection.SiteSelector`). Internally it is exactly::
+
+        Pipeline([
+            ("acts", TurnActivationTransformer(model, sites=sites, prompt=prompt,
+                                               chat_template_kwargs=..., device=...,
+                                               dtype=..., cache_dir=...,
+                                               batch_size=..., verbose=...)),
+            ("select", SiteSelector(GroupedArgmaxLogisticClassifier(
+                                        C=C, random_state=random_state),
+                                    cv=cv or GroupKFold(5))),
+        ])
+
+    available, fitted, as :attr:`pipeline_`.
+
+    Parameters
+    ----------
+    model : str, default="smollm2"
+        Model name or path (see :func:`skafa.models.load_model`); loaded lazily
+        and cached per process.
+    sites : None, str or list of str, default=None
+        Sites to extract and compare (see :mod:`skafa.sites`); ``None`` means
+        all ``2L + 1``. Fewer sites make the site search faster.
+    C : float, default=1.0
+        Inverse L2 regularization strength of the probe.
+    cv : int, cross-validation generator or iterable, default=None
+        Splitter of the site search; ``None`` means ``GroupKFold(5)`` over task
+        ids, an int ``n`` means ``GroupKFold(n)``.
+    prompt : PromptTemplate, default=None
+        How a conversation becomes a prompt (``None``: ``PromptTemplate()``).
+        Use ``PromptTemplate(shorten="middle_first", max_prompt_tokens=...)``
+        for conversations longer than the model's context.
+    chat_template_kwargs : dict, default=None
+        Extra chat-template variables (e.g. a pinned ``date_string``).
+    cache_dir : str or path-like, default=None
+        On-disk activation cache shared across processes.
+    device : str, default="cpu"
+        Torch device of the model.
+    dtype : str, default="float32"
+        Compute dtype of the model.
+    batch_size : int, default=1
+        Conversations per forward pass.
+    random_state : int, RandomState instance or None, default=None
+        Passed to the probe's logistic regression.
+    verbose : int, default=0
+        ``> 0``: progress bar during extraction; ``> 1``: also the site search's
+        progress.
+
+    Attributes
+    ----------
+    pipeline_ : Pipeline
+        The fitted ``acts -> select`` pipeline.
+    best_site_ : str
+        Site chosen by cross-validation on the training conversations.
+    best_score_ : float
+        Its mean cross-validated step accuracy.
+    cv_results_ : dict of ndarray
+        Per-site cross-validation results (see :class:`~skafa.SiteSelector`).
+    n_conversations_fit_ : int
+        Number of training conversations.
+
+    See Also
+    --------
+    skafa.extraction.TurnActivationTransformer, skafa.selection.SiteSelector,
+    skafa.estimators.GroupedArgmaxLogisticClassifier : The pieces.
+
+    Notes
+    -----
+    Not a scikit-learn classifier (the "class" is a turn position): it sets no
+    ``classes_`` and its ``estimator_type`` tag is ``None``. It clones and
+    cross-validates like any estimator (``cross_val_predict(FailureAttributor(...),
+    conversations, y, groups=task_ids, cv=GroupKFold(5))``); activations are
+    cached, so the language model runs once per conversation.
+
+    Examples
+    --------
+    >>> from skafa.attributor import FailureAttributor
+    >>> fa = FailureAttributor("smollm2", sites=["resid_pre.9", "resid_final"])  # doctest: +SKIP
+    >>> fa.fit(train_conversations)                                # doctest: +SKIP
+    >>> fa.evaluate(test_conversations)                            # doctest: +SKIP
+    >>> fa.attribute(test_conversations[0])                        # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model="smollm2",
+        *,
+        sites=None,
+        C=1.0,
+        cv=None,
+        prompt=None,
+        chat_template_kwargs=None,
+        cache_dir=None,
+        device="cpu",
+        dtype="float32",
+        batch_size=1,
+        random_state=None,
+        verbose=0,
+    ):
+        self.model = model
+        self.sites = sites
+        self.C = C
+        self.cv = cv
+        self.prompt = prompt
+        self.chat_template_kwargs = chat_template_kwargs
+        self.cache_dir = cache_dir
+        self.device = device
+        self.dtype = dtype
+        self.batch_size = batch_size
+        self.random_state = random_state
+        self.verbose = verbose
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.estimator_type = None  # not a classifier: see Notes
+        tags.input_tags.two_d_array = False
+        tags.input_tags.string = True
+        tags.target_tags.required = False  # y defaults to the conversations' labels
+        return tags
+
+    # ------------------------------------------------------------------ build
+    def _make_pipeline(self):
+        extractor = TurnActivationTransformer(
+            self.model,
+            sites=self.sites,
+            prompt=self.prompt,
+            chat_template_kwargs=self.chat_template_kwargs,
+            device=self.device,
+            dtype=self.dtype,
+            cache_dir=self.cache_dir,
+            batch_size=self.batch_size,
+            verbose=self.verbose,
+        )
+        probe = GroupedArgmaxLogisticClassifier(C=self.C, random_state=self.random_state)
+        selector = SiteSelector(
+            probe,
+            cv=GroupKFold(n_splits=5) if self.cv is None else self.cv,
+            verbose=max(0, int(self.verbose) - 1),
+        )
+        return Pipeline([("acts", extractor), ("select", selector)])
+
+    # -------------------------------------------------------------------- fit
+    def fit(self, X, y=None, groups=None):
+        """Extract activations, choose the site by grouped CV, fit the probe there.
+
+        Parameters
+        ----------
+        X : list of Conversation
+            Training conversations.
+        y : array-like of int, shape (n_conversations,), default=None
+            Decisive step of each conversation; ``None`` reads every
+            conversation's ``mistake_step`` (an error lists unlabelled ones).
+        groups : array-like of shape (n_conversations,), default=None
+            Groups of the site search's splitter; ``None`` uses the task ids
+            when every conversation has one.
+
+        Returns
+        -------
+        self : FailureAttributor
+            Fitted attributor.
+        """
+        convs = _check_conversations(X)
+        if y is None:
+            y = _labels_from(convs, "FailureAttributor.fit")
+        if groups is None:
+            groups = _groups_from(convs)
+        pipeline = self._make_pipeline()
+        # Same as pipeline.fit(convs, y, select__groups=groups), but also valid
+        # when scikit-learn's metadata routing is enabled.
+        Xt = pipeline[:-1].fit_transform(convs, y)
+        pipeline[-1].fit(Xt, y, groups=groups)
+        selector = pipeline[-1]
+        self.pipeline_ = pipeline
+        self.best_site_ = selector.best_site_
+        self.best_score_ = selector.best_score_
+        self.cv_results_ = selector.cv_results_
+        self.n_conversations_fit_ = len(convs)
+        return self
+
+    # ---------------------------------------------------------------- predict
+    def _convs(self, X):
+        check_is_fitted(self)
+        return _check_conversations(X)
+
+    def predict(self, X):
+        """Decisive step of every conversation.
+
+        Parameters
+        ----------
+        X : list of Conversation
+
+        Returns
+        -------
+        steps : ndarray of int, shape (n_conversations,)
+        """
+        return self.pipeline_.predict(self._convs(X))
+
+    def predict_agent(self, X):
+        """Speaker of the predicted decisive turn of every conversation.
+
+        Parameters
+        ----------
+        X : list of Conversation
+
+        Returns
+        -------
+        agents : ndarray of object, shape (n_conversations,)
+        """
+        return _final_step_call(self.pipeline_, "predict_agent", self._convs(X))
+
+    def turn_decision_function(self, X):
+        """The probe's score of every turn, per conversation.
+
+        Parameters
+        ----------
+        X : list of Conversation
+
+        Returns
+        -------
+        scores : list of ndarray of shape (n_turns_i,)
+        """
+        return _final_step_call(self.pipeline_, "turn_decision_function", self._convs(X))
+
+    def turn_predict_proba(self, X):
+        """Probability that each turn is the decisive one, per conversation.
+
+        Parameters
+        ----------
+        X : list of Conversation
+
+        Returns
+        -------
+        proba : list of ndarray of shape (n_turns_i,)
+            Each sums to 1.
+        """
+        return _final_step_call(self.pipeline_, "turn_predict_proba", self._convs(X))
+
+    def score(self, X, y=None):
+        """Step accuracy on ``X``.
+
+        Parameters
+        ----------
+        X : list of Conversation
+        y : array-like of int, default=None
+            True steps; ``None`` reads the conversations' ``mistake_step``.
+
+        Returns
+        -------
+        accuracy : float
+        """
+        convs = self._convs(X)
+        if y is None:
+            y = _labels_from(convs, "FailureAttributor.score")
+        return float(self.pipeline_.score(convs, y))
+
+    # --------------------------------------------------------------- evaluate
+    def evaluate(self, X, y=None, *, agents=None, n_resamples=2000, confidence=0.95,
+                 random_state=None):
+        """Held-out metrics with bootstrap confidence intervals.
+
+        Parameters
+        ----------
+        X : list of Conversation
+            Held-out conversations (not used in ``fit``).
+        y : array-like of int, default=None
+            True steps; ``None`` reads the conversations' ``mistake_step``.
+        agents : array-like of str, default=None
+            True responsible agents. ``None`` takes each conversation's
+            ``mistake_agent`` where ``y`` is its annotated step, else the
+            speaker of turn ``y[i]``.
+        n_resamples : int, default=2000
+            Bootstrap resamples.
+        confidence : float, default=0.95
+            Coverage of the intervals.
+        random_state : int, RandomState instance or None, default=None
+            Seed of the resampling (an int makes the intervals reproducible).
+
+        Returns
+        -------
+        report : AttributionReport
+            Step accuracy, agent accuracy under every matching rule, within-1
+            accuracy and mean absolute shift, each with its interval and ``n``.
+            When every conversation has a task id, whole tasks are resampled.
+        """
+        convs = self._convs(X)
+        defaulted = y is None
+        if defaulted:
+            y = _labels_from(convs, "FailureAttributor.evaluate")
+        final, Xt = _final_step(self.pipeline_, convs)
+        y = np.asarray(y)
+        steps = np.asarray(final.predict(Xt), dtype=np.int64)
+        if y.shape != steps.shape:
+            raise ValueError(f"y has shape {y.shape}; expected one step per conversation "
+                             f"({steps.shape[0]}).")
+        y = y.astype(np.int64)
+        pred_agents = np.asarray(Xt.speakers_at(steps), dtype=object)
+        if agents is None:
+            true_agents = _true_agents(convs, y, defaulted)
+        else:
+            true_agents = list(agents)
+        groups = _groups_from(convs)
+        kw = dict(n_resamples=n_resamples, confidence=confidence, random_state=random_state,
+                  groups=groups)
+        agent_results = {}
+        for rule in AGENT_RULES:
+            metric = (agent_accuracy if rule == "normalized"
+                      else functools.partial(agent_accuracy, rule=rule))
+            agent_results[rule] = bootstrap_ci(true_agents, list(pred_agents), metric, **kw)
+        return AttributionReport(
+            step_accuracy=bootstrap_ci(y, steps, step_accuracy, **kw),
+            agent_accuracy=agent_results,
+            within_1=bootstrap_ci(y, steps, within_k_accuracy, **kw),
+            mean_absolute_shift=bootstrap_ci(y, steps, mean_absolute_step_shift, **kw),
+            n=len(convs),
+            site=self.best_site_,
+            cluster_bootstrap=groups is not None,
+            steps=steps,
+            agents=pred_agents,
+        )
+
+    # -------------------------------------------------------------- attribute
+    def attribute(self, conversation, *, top_k=3):
+        """Blame one turn of one conversation, with the evidence.
+
+        Parameters
+        ----------
+        conversation : Conversation
+        top_k : int, default=3
+            How many of the highest-scoring turns to list.
+
+        Returns
+        -------
+        attribution : Attribution
+            Predicted step and agent, every turn's score and probability, the
+            site, and the ``top_k`` turns with a preview of their text.
+        """
+        check_is_fitted(self)
+        if not isinstance(conversation, Conversation):
+            raise TypeError(
+                "attribute takes one skafa.Conversation, got "
+                f"{type(conversation).__name__}; for several, call it once per "
+                "conversation or use predict / turn_predict_proba."
+            )
+        if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
+            raise ValueError(f"top_k must be a positive int, got {top_k!r}.")
+        final, Xt = _final_step(self.pipeline_, [conversation])
+        scores = np.asarray(final.turn_decision_function(Xt)[0], dtype=np.float64)
+        proba = np.asarray(final.turn_predict_proba(Xt)[0], dtype=np.float64)
+        step = int(final.predict(Xt)[0])
+        speakers = conversation.speakers
+        order = np.argsort(-scores, kind="stable")[: int(top_k)]
+        ranks = tuple(
+            TurnRank(int(i), speakers[i], float(scores[i]), float(proba[i]),
+                     _preview(conversation.turns[i].content))
+            for i in order
+        )
+        return Attribution(
+            step=step,
+            agent=speakers[step],
+            turn_scores=scores,
+            turn_probabilities=proba,
+            site=self.best_site_,
+            top_k=ranks,
+            speakers=tuple(speakers),
+            true_step=conversation.mistake_step,
+            true_agent=conversation.mistake_agent,
+            task_id=conversation.task_id,
+            record_id=conversation.record_id,
+        )
+
+    # ------------------------------------------------------------ persistence
+    def save(self, path, *, overwrite=False):
+        """Save the fitted attributor without pickle (see :mod:`skafa.persistence`).
+
+        Parameters
+        ----------
+        path : str or path-like
+            Directory to create (``arrays.safetensors`` + ``skafa.json``).
+        overwrite : bool, default=False
+            Replace an existing save at ``path``.
+
+        Returns
+        -------
+        path : pathlib.Path
+        """
+        from .persistence import save
+
+        check_is_fitted(self)
+        return save(self, path, overwrite=overwrite)
+
+    @classmethod
+    def load(cls, path, *, model=None, trust=()):
+        """Load an attributor saved with :meth:`save`.
+
+        Parameters
+        ----------
+        path : str or path-like
+        model : str, default=None
+            Use this model instead of the saved one (its architecture must
+            match; a different name or file of the same architecture warns).
+        trust : iterable of str, default=()
+            See :func:`skafa.persistence.load`.
+
+        Returns
+        -------
+        attributor : FailureAttributor
+        """
+        from .persistence import load
+
+        obj = load(path, model=model, trust=trust)
+        if not isinstance(obj, cls):
+            raise TypeError(
+                f"{path} holds a {type(obj).__name__}, not a {cls.__name__}; load it with "
+                "skafa.persistence.load."
+            )
+        return obj
