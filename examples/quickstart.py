@@ -144,7 +144,8 @@ def main(argv=None):
           f"PromptTemplate(shorten='middle_first', max_prompt_tokens={ctx}).")
     print(f"  shortened {len(shortened)} conversations, removing "
           f"{short.total_chars_removed:,} characters "
-          f"({100 * short.total_chars_removed / max(total_chars, 1):.2f}% of all turn text):")
+          f"({100 * short.total_chars_removed / max(total_chars, 1):.2f}% of all turn text)"
+          + (":" if shortened else "."))
     for r in shortened:
         before = raw[r["index"]]["n_tokens"]
         n_turns_cut = sum(1 for v in r["turn_chars_removed"] if v > 0)

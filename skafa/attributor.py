@@ -284,12 +284,12 @@ class AttributionReport:
         unit = "task-clustered" if self.cluster_bootstrap else "conversation"
         lines = [
             f"AttributionReport(n={self.n}, site={self.site!r}, {conf}% {unit} bootstrap CIs)",
-            f"  step accuracy            {fmt(self.step_accuracy)}",
+            f"  step accuracy               {fmt(self.step_accuracy)}",
         ]
         for rule, r in self.agent_accuracy.items():
-            lines.append(f"  agent accuracy ({rule:<10}) {fmt(r)}")
-        lines.append(f"  within-1 step accuracy   {fmt(self.within_1)}")
-        lines.append(f"  mean absolute shift      {fmt(self.mean_absolute_shift, 2)}")
+            lines.append(f"  {'agent accuracy (' + rule + ')':<27} {fmt(r)}")
+        lines.append(f"  within-1 step accuracy      {fmt(self.within_1)}")
+        lines.append(f"  mean absolute shift         {fmt(self.mean_absolute_shift, 2)}")
         return "\n".join(lines)
 
 
@@ -547,7 +547,8 @@ class FailureAttributor(BaseEstimator):
         -------
         steps : ndarray of int, shape (n_conversations,)
         """
-        return self.pipeline_.predict(self._convs(X))
+        convs = self._convs(X)
+        return self.pipeline_.predict(convs)
 
     def predict_agent(self, X):
         """Speaker of the predicted decisive turn of every conversation.
@@ -560,7 +561,8 @@ class FailureAttributor(BaseEstimator):
         -------
         agents : ndarray of object, shape (n_conversations,)
         """
-        return _final_step_call(self.pipeline_, "predict_agent", self._convs(X))
+        convs = self._convs(X)
+        return _final_step_call(self.pipeline_, "predict_agent", convs)
 
     def turn_decision_function(self, X):
         """The probe's score of every turn, per conversation.
@@ -573,7 +575,8 @@ class FailureAttributor(BaseEstimator):
         -------
         scores : list of ndarray of shape (n_turns_i,)
         """
-        return _final_step_call(self.pipeline_, "turn_decision_function", self._convs(X))
+        convs = self._convs(X)
+        return _final_step_call(self.pipeline_, "turn_decision_function", convs)
 
     def turn_predict_proba(self, X):
         """Probability that each turn is the decisive one, per conversation.
@@ -587,7 +590,8 @@ class FailureAttributor(BaseEstimator):
         proba : list of ndarray of shape (n_turns_i,)
             Each sums to 1.
         """
-        return _final_step_call(self.pipeline_, "turn_predict_proba", self._convs(X))
+        convs = self._convs(X)
+        return _final_step_call(self.pipeline_, "turn_predict_proba", convs)
 
     def score(self, X, y=None):
         """Step accuracy on ``X``.

@@ -23,7 +23,11 @@ Two layers, both optional:
 
 An entry that has more sites than requested is sliced; one that lacks a requested
 site is a miss, and the recomputed sites are merged with the cached ones when the
-entry is written back.
+entry is written back. (Two processes writing *different* site sets for the same
+conversation at the same moment can each replace the other's file: the last
+writer wins and the other sites are recomputed later; an entry is never corrupt.)
+A failed disk write (full or read-only disk) is reported with a ``RuntimeWarning``
+and extraction goes on.
 """
 
 from __future__ import annotations
@@ -370,8 +374,13 @@ class ActivationCache:
         if self.memory is not None:
             self._put_memory(key, merged_sites, merged)
         if self.directory is not None:
-            _write_entry(self.path(key), key, merged_sites, merged)
-            self.stats["writes"] += 1
+            try:
+                _write_entry(self.path(key), key, merged_sites, merged)
+            except OSError as exc:  # a full or read-only disk must not stop extraction
+                warnings.warn(f"Could not write activation cache entry {self.path(key)}: "
+                              f"{exc}. Continuing without it.", RuntimeWarning, stacklevel=2)
+            else:
+                self.stats["writes"] += 1
 
     def _peek_disk(self, key, n_turns, hidden):
         path = self.path(key)

@@ -20,6 +20,8 @@ import hashlib
 import json
 import numbers
 import os
+import threading
+import weakref
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -32,6 +34,19 @@ from .features import TurnFeatures
 from .sites import decoder_layout, parse_site, site_depth, validate_sites
 
 __all__ = ["TurnActivationTransformer", "extract_activations", "SiteReader"]
+
+
+_LOCKS = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def _model_lock(module):
+    """One lock per decoder: hooks are per module, so two threads must not share a pass."""
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(module)
+        if lock is None:
+            lock = _LOCKS[module] = threading.Lock()
+        return lock
 
 
 class _StopForward(Exception):
@@ -55,6 +70,9 @@ class SiteReader:
 
     Notes
     -----
+    Hooks live on the model's modules, so forward passes through one model are
+    serialised by a per-model lock (threads sharing a model wait for each other).
+
     ``resid_pre.l`` is read by a forward pre-hook on decoder layer ``l`` (its
     input hidden states), ``mlp_in.l`` by a forward hook on the layer's MLP-input
     norm, ``resid_final`` by a forward hook on the final norm. Each hook gathers
@@ -115,23 +133,24 @@ class SiteReader:
         import torch
 
         hidden = self.layout.embedding.weight.shape[-1]
-        self._buffer = torch.empty((rows.shape[0], len(self.sites), hidden),
-                                   dtype=torch.float32, device=rows.device)
-        self._rows = rows
-        handles = self._register()
-        try:
-            with torch.inference_mode():
-                try:
-                    self.layout.decoder(input_ids=input_ids, attention_mask=attention_mask,
-                                        use_cache=False)
-                except _StopForward:
-                    pass
-            return self._buffer
-        finally:
-            for h in handles:
-                h.remove()
-            self._buffer = None
-            self._rows = None
+        with _model_lock(self.layout.decoder):
+            self._buffer = torch.empty((rows.shape[0], len(self.sites), hidden),
+                                       dtype=torch.float32, device=rows.device)
+            self._rows = rows
+            handles = self._register()
+            try:
+                with torch.inference_mode():
+                    try:
+                        self.layout.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                                            use_cache=False)
+                    except _StopForward:
+                        pass
+                return self._buffer
+            finally:
+                for h in handles:
+                    h.remove()
+                self._buffer = None
+                self._rows = None
 
 
 def _batches(lengths, batch_size):
@@ -358,7 +377,7 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
         return tags
 
     def __getstate__(self):
-        state = super().__getstate__()
+        state = dict(super().__getstate__())  # a copy: never strip the live object
         for name in ("_model", "_tokenizer", "_layout", "_cache"):
             state.pop(name, None)
         return state

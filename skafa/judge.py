@@ -431,7 +431,9 @@ class PromptedJudge(BaseEstimator):
     argmax (ties go to the earliest step). Cost: one forward pass over the
     prompt with ``use_cache=True``, then one packed pass over all candidates'
     tokens (about ``n_steps * n_digits`` tokens for the whole conversation)
-    attending to the cached prompt through a custom 4-D mask.
+    attending to the cached prompt through a custom 4-D mask. For SmolLM2 on
+    Who&When prompts of ~1,000 tokens this measured 0.9-1.1x the time of one
+    plain forward pass over the prompt (one forward per candidate: 6-19x).
 
     In ``mode="generate"`` the model greedily writes up to ``max_new_tokens``
     tokens after ``answer_prefix``; the first integer (``-?\\d+``) in that text is
@@ -454,7 +456,7 @@ class PromptedJudge(BaseEstimator):
         the probes' default.
     chat_template_kwargs : dict or None, default=None
         Extra variables for the tokenizer's chat template (e.g. a pinned date).
-    answer_prefix : str, default="The decisive error is at step "
+    answer_prefix : str, default="Step: "
         Start of the assistant's answer, placed after the generation prompt.
     mode : {"logprob", "generate"}, default="logprob"
         How the model's answer is read (see above).
@@ -490,6 +492,14 @@ class PromptedJudge(BaseEstimator):
 
     Notes
     -----
+    The default :class:`~skafa.prompt.PromptTemplate` asks for an answer of the
+    form ``'Step: <number>, Agent: <name>'``; the terminator above counts the
+    ``","`` after the number like any other non-digit, so the scores do not
+    depend on which punctuation the model prefers. In ``"generate"`` mode
+    ``answer_prefix`` is tokenized on its own (a trailing space may be a token of
+    its own). The packed pass needs an attention implementation that accepts an
+    additive 4-D mask (``"eager"`` and ``"sdpa"`` do; flash-attention does not).
+
     The judge is a conversation-level estimator: one sample is one
     :class:`~skafa.conversation.Conversation`. Per-turn scores are returned by
     :meth:`turn_decision_function` / :meth:`turn_predict_proba` as lists of 1-D
@@ -510,7 +520,7 @@ class PromptedJudge(BaseEstimator):
         *,
         prompt=None,
         chat_template_kwargs=None,
-        answer_prefix="The decisive error is at step ",
+        answer_prefix="Step: ",
         mode="logprob",
         max_new_tokens=8,
         device="cpu",

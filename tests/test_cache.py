@@ -237,3 +237,17 @@ def test_concurrent_writers_never_leave_a_corrupt_entry(tmp_path):
     got = reader.get(key, SITES, n_turns=3, hidden_size=4)
     assert any(np.array_equal(got, _values(seed=s)) for s in (1, 2))
     assert glob.glob(os.path.join(tmp_path, "**", ".tmp-*"), recursive=True) == []
+
+
+def test_failed_disk_write_warns_and_continues(tmp_path, monkeypatch):
+    import skafa.cache as cache_mod
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cache_mod, "_write_entry", boom)
+    cache = ActivationCache(tmp_path, memory=MemoryLRU(1 << 20))
+    with pytest.warns(RuntimeWarning, match="No space left"):
+        cache.put(_key(), SITES, _values())
+    assert cache.stats["writes"] == 0
+    assert cache.get(_key(), SITES, n_turns=3, hidden_size=4) is not None  # memory still works

