@@ -193,6 +193,7 @@ def main(argv=None):
         pred[name] = cross_val_predict(est, X, y, groups=groups, cv=outer)
 
     boot = dict(n_resamples=args.n_resamples, random_state=args.seed, groups=groups)
+    table = {}
     header = (f"{'method':<20} {'step acc [95% CI]':<24} {'agent acc [95% CI]':<24} "
               f"{'within-1 [95% CI]':<24} {'n':>4}")
     print()
@@ -203,6 +204,7 @@ def main(argv=None):
         s = bootstrap_ci(y, steps, step_accuracy, **boot)
         a = bootstrap_ci(true_agents, agents, agent_accuracy, **boot)
         w = bootstrap_ci(y, steps, within_k_accuracy, **boot)
+        table[name] = {"step": s, "agent": a, "within_1": w}
         print(f"{name:<20} {fmt_ci(s):<24} {fmt_ci(a):<24} {fmt_ci(w):<24} {s.n:>4}")
     diff = paired_bootstrap_ci(y, pred["probe (skafa)"], pred["always step 1"],
                                step_accuracy, **boot)
@@ -241,8 +243,19 @@ def main(argv=None):
 
     times["total"] = time.perf_counter() - t_start
     print("\nwall times: " + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
-    return 0
+    return {
+        "sites": sites,
+        "predictions": pred,
+        "table": table,
+        "paired": diff,
+        "plan": short,
+        "attributor": attributor,
+        "report": report,
+        "attribution": attribution,
+        "times": times,
+    }
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
+    sys.exit(0)

@@ -747,7 +747,7 @@ class FailureAttributor(BaseEstimator):
         return save(self, path, overwrite=overwrite)
 
     @classmethod
-    def load(cls, path, *, model=None, trust=()):
+    def load(cls, path, *, model=None, device=None, trust=()):
         """Load an attributor saved with :meth:`save`.
 
         Parameters
@@ -756,6 +756,8 @@ class FailureAttributor(BaseEstimator):
         model : str, default=None
             Use this model instead of the saved one (its architecture must
             match; a different name or file of the same architecture warns).
+        device : str, default=None
+            Torch device instead of the saved one.
         trust : iterable of str, default=()
             See :func:`skafa.persistence.load`.
 
@@ -765,7 +767,7 @@ class FailureAttributor(BaseEstimator):
         """
         from .persistence import load
 
-        obj = load(path, model=model, trust=trust)
+        obj = load(path, model=model, device=device, trust=trust)
         if not isinstance(obj, cls):
             raise TypeError(
                 f"{path} holds a {type(obj).__name__}, not a {cls.__name__}; load it with "

@@ -63,6 +63,7 @@ caller named it.
 
 Examples
 --------
+>>> import os, tempfile
 >>> import numpy as np
 >>> from skafa import TurnFeatures
 >>> from skafa.estimators import GroupedArgmaxLogisticClassifier
@@ -71,8 +72,10 @@ Examples
 >>> X = TurnFeatures(rng.normal(size=(40, 3)), np.arange(0, 41, 4))
 >>> y = rng.integers(0, 4, size=10)
 >>> probe = GroupedArgmaxLogisticClassifier().fit(X, y)
->>> path = save(probe, tmp_path / "probe")          # doctest: +SKIP
->>> np.array_equal(load(path).predict(X), probe.predict(X))  # doctest: +SKIP
+>>> path = save(probe, os.path.join(tempfile.mkdtemp(), "probe"))
+>>> sorted(p.name for p in path.iterdir())
+['arrays.safetensors', 'skafa.json']
+>>> np.array_equal(load(path).predict(X), probe.predict(X))
 True
 """
 
@@ -280,6 +283,17 @@ def _after_load_site_selector(est, ctx, path):
         est.scorer_ = _get_scorer(est.estimator, est.scoring)
 
 
+def _after_load_pipeline(est, ctx, path):
+    if est.memory is not None:
+        warnings.warn(
+            f"{ctx.json_path}: the Pipeline at {_where(path)} was saved with "
+            f"memory={est.memory!r}; it is not restored (a joblib cache holds pickles). "
+            "Set it again after loading if you trust that cache directory.",
+            UserWarning, stacklevel=4,
+        )
+        est.memory = None
+
+
 def _after_load_extraction(est, ctx, path):
     if hasattr(est, "prompt_") and hasattr(est, "tokenizer_fingerprint_"):
         est._prompt_fingerprint = est.prompt_.fingerprint()
@@ -288,6 +302,7 @@ def _after_load_extraction(est, ctx, path):
 
 
 _AFTER_LOAD = {
+    "sklearn.pipeline.Pipeline": _after_load_pipeline,
     "skafa.selection.SiteSelector": _after_load_site_selector,
     "skafa.extraction.TurnActivationTransformer": _after_load_extraction,
     "skafa.judge.PromptedJudge": _after_load_extraction,
@@ -352,13 +367,11 @@ class _Writer:
 
     # -------------------------------------------------------------- encode
     def encode(self, value, path):
-        if value is None or isinstance(value, (bool, str)):
-            return value
-        if isinstance(value, int) and type(value) is int:
+        if value is None or type(value) in (bool, str, int):
             return value
         if type(value) is float:
             return value if math.isfinite(value) else {"__float__": repr(value)}
-        if isinstance(value, np.generic):
+        if isinstance(value, np.generic):  # before str/float: np.str_, np.float64
             return self._scalar(value, path)
         if isinstance(value, type):
             return self._type(value, path)
@@ -424,7 +437,7 @@ class _Writer:
         )
 
     def _type(self, value, path):
-        if issubclass(value, np.generic):
+        if issubclass(value, np.generic) and np.dtype(value).kind in _SAFETENSORS_KINDS:
             return {"__type__": np.dtype(value).str.lstrip("<>=|")}
         for name, t in _PY_TYPES.items():
             if value is t:
@@ -637,10 +650,11 @@ def save(estimator, path, *, overwrite=False):
 
 
 class _Reader:
-    def __init__(self, arrays, json_path, *, model, trust, verify_model):
+    def __init__(self, arrays, json_path, *, model, device, trust, verify_model):
         self.arrays = arrays
         self.json_path = json_path
         self.model = model
+        self.device = device
         self.verify_model = verify_model
         self.allow = _allowlist()
         self.trust = {str(t) for t in trust}
@@ -716,6 +730,8 @@ class _Reader:
             self.saved_models[path] = str(params.get("model"))
             if self.model is not None:
                 params["model"] = self.model
+            if self.device is not None and "device" in params:
+                params["device"] = self.device
         try:
             est = cls(**params)
         except TypeError as exc:
@@ -865,8 +881,11 @@ def _dec_strarray(r, node, path):
 
 
 def _dec_objarray(r, node, path):
-    shape = tuple(node["shape"])
-    arr = np.empty(int(np.prod(shape, dtype=np.int64)), dtype=object)
+    shape = tuple(int(v) for v in node["shape"])
+    if any(v < 0 for v in shape) or math.prod(shape) != len(node["__objarray__"]):
+        raise r.fail(path, f"object array of shape {shape} has "
+                           f"{len(node['__objarray__'])} entries")
+    arr = np.empty(len(node["__objarray__"]), dtype=object)
     r.objects[path] = arr
     for i, v in enumerate(node["__objarray__"]):
         arr[i] = r.decode(v, _join(path, i))
@@ -1056,7 +1075,7 @@ def _version_warnings(document, json_path):
             )
 
 
-def load(path, *, model=None, trust=(), verify_model=True):
+def load(path, *, model=None, device=None, trust=(), verify_model=True):
     """Load an estimator written by :func:`save`, instantiating only allowlisted classes.
 
     Parameters
@@ -1067,7 +1086,12 @@ def load(path, *, model=None, trust=(), verify_model=True):
         Model for every model-reading step (``TurnActivationTransformer``,
         ``PromptedJudge``, and the ``model`` of a ``FailureAttributor``) instead
         of the saved name: e.g. a local path to the same GGUF file. Its
-        architecture must match the saved fingerprint.
+        architecture must match the saved fingerprint. The model named in the
+        file is loaded through :func:`skafa.models.load_model`
+        (``trust_remote_code=False``); pass ``model`` to choose it yourself.
+    device : str, default=None
+        Torch device for those steps instead of the saved one (e.g. ``"cpu"``
+        for an estimator saved on a GPU machine).
     trust : iterable of str, default=()
         Extra classes (``"package.module.Class"``) that the file may use and that
         may be imported to build it. Only list classes you trust to be built from
@@ -1112,7 +1136,8 @@ def load(path, *, model=None, trust=(), verify_model=True):
     _version_warnings(document, json_path)
     if isinstance(trust, str):
         trust = [trust]
-    reader = _Reader(arrays, json_path, model=model, trust=trust, verify_model=verify_model)
+    reader = _Reader(arrays, json_path, model=model, device=device, trust=trust,
+                     verify_model=verify_model)
     tree = document["tree"]
     if not isinstance(tree, dict) or "__estimator__" not in tree:
         raise ValueError(f"{json_path}: the tree does not describe an estimator.")

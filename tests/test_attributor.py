@@ -199,11 +199,17 @@ def test_evaluate_agent_rules_side_by_side(fitted, conversations):
     hits = fitted.predict_agent(test) == np.array([c.mistake_speaker for c in test])
     assert report.agent_accuracy["exact"].estimate == 0.0
     assert report.agent_accuracy["normalized"].estimate == hits.mean()
-    # explicit y that is not the annotation: truth is the speaker of turn y
+    # explicit y: where it is not the annotated step, truth is the speaker of turn y
     y = [0] * len(test)
     report0 = fitted.evaluate(test, y, n_resamples=200, random_state=0)
-    first = fitted.predict_agent(test) == np.array([c.speakers[0] for c in test])
-    assert report0.agent_accuracy["exact"].estimate == first.mean()
+    truth = [c.mistake_agent if c.mistake_step == 0 else c.speakers[0] for c in test]
+    assert 0 < sum(c.mistake_step == 0 for c in test) < len(test)
+    hits0 = fitted.predict_agent(test) == np.array(truth, dtype=object)
+    assert report0.agent_accuracy["exact"].estimate == hits0.mean()
+    truth = [c.speakers[0] for c in test]
+    report1 = fitted.evaluate(test, y, agents=truth, n_resamples=200, random_state=0)
+    hits1 = fitted.predict_agent(test) == np.array(truth, dtype=object)
+    assert report1.agent_accuracy["exact"].estimate == hits1.mean()
 
 
 def test_evaluate_without_task_ids_resamples_conversations(fitted, conversations):
@@ -275,6 +281,65 @@ def test_kfold_without_groups(conversations):
     assert fa.best_site_ == "resid_final"
     with pytest.raises(ValueError, match="groups"):
         FailureAttributor(MODEL, sites=["resid_final"]).fit(no_ids)
+
+
+# -------------------------------------------------------------------- quickstart
+def _write_who_and_when(folder, convs):
+    """Write conversations as Who&When-format records (Algorithm-Generated layout)."""
+    subset = folder / "Algorithm-Generated"
+    subset.mkdir(parents=True)
+    for i, c in enumerate(convs):
+        record = {
+            "question": c.task, "ground_truth": c.expected_answer, "question_ID": c.task_id,
+            "history": [{"content": t.content, "role": "assistant", "name": t.speaker}
+                        for t in c.turns],
+            "mistake_step": str(c.mistake_step), "mistake_agent": c.mistake_agent,
+        }
+        (subset / f"{i + 1}.json").write_text(json.dumps(record))
+    return folder
+
+
+def test_quickstart_runs_on_tiny_model(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    convs = make_conversations(30, seed=11)
+    # One conversation longer than the tiny model's 512-token context: it must be
+    # shortened visibly, and reported.
+    rng = np.random.default_rng(0)
+    words = ["alpha", "table", "query", "sum", "row", "data", "zeta", "kappa", "{", "]"]
+    long_text = " ".join(rng.choice(words, size=900))
+    turns = list(convs[0].turns)
+    turns[1] = dataclasses.replace(turns[1], content=long_text)
+    convs[0] = dataclasses.replace(convs[0], turns=tuple(turns))
+    data = _write_who_and_when(tmp_path / "wnw", convs)
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
+    spec = importlib.util.spec_from_file_location("skafa_example_quickstart", path)
+    quickstart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quickstart)
+    out = quickstart.main(["--data", str(data), "--model", MODEL, "--cache-dir", "",
+                           "--sites", "stride:1", "--n-resamples", "100"])
+    text = capsys.readouterr().out
+
+    assert out["sites"] == ["resid_pre.0", "resid_pre.1", "resid_final"]
+    assert "1 of 30 exceed the 512-token context" in text
+    shortened = [r for r in out["plan"] if r["chars_removed"] > 0]
+    assert len(shortened) == 1 and shortened[0]["index"] == 0
+    assert f"shortened 1 conversations, removing {shortened[0]['chars_removed']:,}" in text
+    y = np.array([c.mistake_step for c in convs])
+    for name in ("probe (skafa)", "always step 1", "most frequent step"):
+        assert name in text
+        steps = out["predictions"][name]
+        assert steps.shape == (30,)
+        assert out["table"][name]["step"].estimate == pytest.approx(np.mean(steps == y))
+        assert out["table"][name]["step"].n == 30
+    np.testing.assert_array_equal(out["predictions"]["always step 1"],
+                                  np.minimum(1, [len(c) - 1 for c in convs]))
+    att = out["attribution"]
+    assert f"predicted: step {att.step}" in text and "true:" in text
+    assert out["attributor"].best_site_ in out["sites"]
+    assert "wall times:" in text and "extraction" in out["times"]
 
 
 # ------------------------------------------------------------------ integration

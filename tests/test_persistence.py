@@ -512,7 +512,8 @@ class _Custom(BaseEstimator):
         self.nonfinite_ = np.array([np.nan, np.inf, -np.inf, -0.0])
         self.strings_ = np.array(["a", "bb", "ccc"])
         self.objects_ = np.array(["x", None, 3], dtype=object)
-        self.np_scalars_ = (np.float32(1.5), np.int64(7), np.bool_(True), np.float64("nan"))
+        self.np_scalars_ = (np.float32(1.5), np.int64(7), np.bool_(True), np.float64("nan"),
+                            np.str_("abc"), np.uint8(255))
         self.int_keys_ = {0: 1.0, 1: 2.5}
         self.nested_ = {"a.b": [1, (2, 3)], "c~d": {"e": None}}
         self.big_vocab_ = {f"w{i}": np.int64(i) for i in range(40)}
@@ -602,3 +603,45 @@ def test_allowlist_contents():
                      "sklearn.feature_extraction.text.TfidfVectorizer"):
         assert required in names
     assert not any("pickle" in n or n.startswith(("os.", "builtins.")) for n in names)
+
+
+def test_pipeline_memory_not_restored(features, tmp_path):
+    X_tr, y_tr, X_te, _ = features
+    pipe = Pipeline([("scale", PerTurn(StandardScaler())),
+                     ("probe", GroupedArgmaxLogisticClassifier(site="s1"))],
+                    memory=str(tmp_path / "joblib-cache")).fit(X_tr, y_tr)
+    path = save(pipe, tmp_path / "pipe")
+    with pytest.warns(UserWarning, match="memory=.*not restored"):
+        loaded = load(path)
+    assert loaded.memory is None
+    assert_bitwise(loaded.predict(X_te), pipe.predict(X_te))
+
+
+def test_device_override(fitted_lm_pipeline, tmp_path):
+    path = save(fitted_lm_pipeline, tmp_path / "pipe")
+
+    def edit(doc):
+        doc["tree"]["params"]["steps"][0]["__tuple__"][1]["params"]["device"] = "cuda:7"
+
+    rewrite(path, edit)
+    assert load(path, device="cpu", verify_model=False)[0].device == "cpu"
+    assert load(path, verify_model=False)[0].device == "cuda:7"
+
+
+def test_prompted_judge_roundtrip(tiny_models, conversations, tmp_path):
+    from skafa.judge import PromptedJudge
+
+    judge = PromptedJudge(tiny_models["main"], prompt=PromptTemplate(history_header=None),
+                          chat_template_kwargs={"date_string": "2 Feb 2025"}).fit(
+        conversations[:4])
+    path = save(judge, tmp_path / "judge")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ModelMismatchWarning)
+        loaded = load(path)
+    assert repr(loaded) == repr(judge)
+    assert loaded.prompt_ == judge.prompt_ and loaded.model_fingerprint_ == judge.model_fingerprint_
+    assert_bitwise(loaded.predict(conversations[:3]), judge.predict(conversations[:3]))
+    doc = json.loads((path / JSON_NAME).read_text())
+    assert doc["models"][0]["class"] == "skafa.judge.PromptedJudge"
+    with pytest.raises(ValueError, match="different model architecture"):
+        load(path, model=tiny_models["qwen"])

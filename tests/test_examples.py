@@ -1,0 +1,96 @@
+"""Run the documented example scripts on the tiny random model, so they cannot rot."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _load(name):
+    path = EXAMPLES / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"skafa_example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def compare():
+    return _load("compare_with_baselines")
+
+
+def test_compare_with_baselines_runs_on_tiny_model(compare, capsys):
+    out = compare.main(["--n", "24", "--folds", "3", "--n-resamples", "200"])
+    text = capsys.readouterr().out
+
+    methods = ["probe", "probe + position", "position-only", "TF-IDF",
+               "dummy: most_frequent", "dummy: first"]
+    assert list(out["predictions"]) == methods
+    for name in methods:
+        assert name in text
+    # The tiny Llama has 2 layers: stride 1 -> resid_pre.0, resid_pre.1, resid_final.
+    assert out["sites"] == ["resid_pre.0", "resid_pre.1", "resid_final"]
+
+    from skafa.testing import make_conversations
+
+    convs = make_conversations(24, min_turns=3, max_turns=8, seed=0)
+    y = np.array([c.mistake_step for c in convs])
+    n_turns = np.array([len(c) for c in convs])
+    for name, steps in out["predictions"].items():
+        assert steps.shape == (24,) and steps.dtype.kind == "i"
+        assert np.all((steps >= 0) & (steps < n_turns)), name
+        row = out["rows"][name]
+        assert row["step"].estimate == pytest.approx(np.mean(steps == y))
+        for r in row.values():
+            assert r.n == 24 and r.low <= r.estimate <= r.high
+    # "first" predicts turn 0 for every conversation, whatever the folds.
+    np.testing.assert_array_equal(out["predictions"]["dummy: first"], 0)
+    assert set(out["paired"]) == set(methods) - {"probe"}
+    d = out["paired"]["dummy: first"]
+    assert d.estimate == pytest.approx(np.mean(out["predictions"]["probe"] == y) - np.mean(y == 0))
+
+
+def test_compare_with_baselines_help(compare, capsys):
+    with pytest.raises(SystemExit) as exc:
+        compare.parse_args(["--help"])
+    assert exc.value.code == 0
+    assert "--data" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------ the user guide
+GUIDE = EXAMPLES.parent / "docs" / "user-guide.md"
+
+
+def _python_blocks(text):
+    """``(line, code)`` of every ```python block not preceded by ``<!-- not-run``."""
+    import re
+
+    blocks = []
+    for m in re.finditer(r"(?P<pre>[^\n]*)\n```python\n(?P<code>.*?)\n```", text, re.S):
+        if m.group("pre").strip().startswith("<!-- not-run"):
+            continue
+        blocks.append((text[:m.start("code")].count("\n") + 1, m.group("code")))
+    return blocks
+
+
+def test_user_guide_snippets_run(tmp_path, monkeypatch):
+    # Every runnable snippet of docs/user-guide.md, in order, in one namespace (they
+    # build on each other), on the tiny random model the guide registers as "tiny".
+    import sklearn
+
+    from skafa.models import unregister_model
+
+    blocks = _python_blocks(GUIDE.read_text(encoding="utf-8"))
+    assert len(blocks) > 20
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "user_guide"}
+    unregister_model("tiny")
+    try:
+        with sklearn.config_context():  # the guide toggles metadata routing
+            for line, code in blocks:
+                exec(compile(code, f"{GUIDE}:{line}", "exec"), namespace)
+    finally:
+        unregister_model("tiny")
