@@ -152,7 +152,20 @@ class TurnFeatures:
     # ----------------------------------------------------------- constructors
     @classmethod
     def from_arrays(cls, arrays, **kwargs) -> TurnFeatures:
-        """Build from a list of per-conversation arrays (each ``(n_turns_i, ...)``)."""
+        """Build from a list of per-conversation arrays.
+
+        Parameters
+        ----------
+        arrays : sequence of ndarray or sparse matrix
+            One array per conversation, each ``(n_turns_i, n_sites, n_features)`` or
+            ``(n_turns_i, n_features)``.
+        **kwargs
+            Passed to :class:`TurnFeatures` (``sites``, ``speakers``, ...).
+
+        Returns
+        -------
+        TurnFeatures
+        """
         arrays = list(arrays)
         if not arrays:
             raise ValueError("need at least one conversation.")
@@ -166,38 +179,47 @@ class TurnFeatures:
     # ------------------------------------------------------------ properties
     @property
     def n_conversations(self) -> int:
+        """Number of conversations (samples)."""
         return int(self.offsets.size - 1)
 
     @property
     def n_turns_total(self) -> int:
+        """Number of turn rows over all conversations."""
         return int(self.offsets[-1])
 
     @property
     def n_turns(self) -> np.ndarray:
+        """Turns per conversation, shape ``(n_conversations,)``."""
         return np.diff(self.offsets)
 
     @property
     def n_sites(self) -> int:
+        """Number of site blocks."""
         return len(self.sites)
 
     @property
     def n_features(self) -> int:
+        """Number of features per turn and site."""
         return int(self.values.shape[-1])
 
     @property
     def shape(self) -> tuple:
+        """``(n_conversations,)``: what scikit-learn reads as the number of samples."""
         return (self.n_conversations,)
 
     @property
     def ndim(self) -> int:
+        """Always 1: one entry per conversation."""
         return 1
 
     @property
     def is_sparse(self) -> bool:
+        """Whether :attr:`values` is a scipy sparse matrix."""
         return sp.issparse(self.values)
 
     @property
     def dtype(self):
+        """dtype of :attr:`values`."""
         return self.values.dtype
 
     def __len__(self) -> int:
@@ -256,7 +278,21 @@ class TurnFeatures:
         return self.values[:, self._site_index(site), :]
 
     def global_turn_index(self, steps) -> np.ndarray:
-        """Row index in :attr:`values` of turn ``steps[i]`` of conversation ``i``."""
+        """Row index in :attr:`values` of turn ``steps[i]`` of conversation ``i``.
+
+        Parameters
+        ----------
+        steps : array-like of int, shape (n_conversations,)
+
+        Returns
+        -------
+        ndarray of int64, shape (n_conversations,)
+
+        Raises
+        ------
+        ValueError
+            If a step lies outside its conversation (naming it and its task id).
+        """
         steps = np.asarray(steps)
         if steps.shape != (self.n_conversations,):
             raise ValueError(
@@ -277,13 +313,33 @@ class TurnFeatures:
         return f" (task_id {self.task_ids[i]!r})"
 
     def speakers_at(self, steps) -> np.ndarray:
-        """Speaker of turn ``steps[i]`` in conversation ``i`` (needs :attr:`speakers`)."""
+        """Speaker of turn ``steps[i]`` in conversation ``i``.
+
+        Parameters
+        ----------
+        steps : array-like of int, shape (n_conversations,)
+
+        Returns
+        -------
+        ndarray of object, shape (n_conversations,)
+            Requires :attr:`speakers`.
+        """
         if self.speakers is None:
             raise ValueError("this TurnFeatures carries no speakers.")
         return self.speakers[self.global_turn_index(steps)]
 
     def split_rows(self, rows) -> list:
-        """Split a per-turn array (``n_turns_total`` rows) into one array per conversation."""
+        """Split a per-turn array into one array per conversation.
+
+        Parameters
+        ----------
+        rows : array-like of shape (n_turns_total, ...)
+
+        Returns
+        -------
+        list of ndarray
+            ``n_conversations`` arrays.
+        """
         rows = np.asarray(rows)
         if rows.shape[0] != self.n_turns_total:
             raise ValueError(f"expected {self.n_turns_total} rows, got {rows.shape[0]}.")
@@ -370,7 +426,23 @@ class TurnFeatures:
             ) from None
 
     def select_sites(self, sites) -> TurnFeatures:
-        """Return a container holding only ``sites`` (a name, index, or a list of them)."""
+        """Return a container holding only some sites.
+
+        Parameters
+        ----------
+        sites : str, int or sequence of them
+            Site names (or indices), in the order wanted.
+
+        Returns
+        -------
+        TurnFeatures
+            Same conversations, speakers and task ids.
+
+        Raises
+        ------
+        KeyError
+            Naming an unknown site and listing the available ones.
+        """
         single = isinstance(sites, (str, numbers.Integral))
         names = [sites] if single else list(sites)
         if not names:
@@ -393,7 +465,19 @@ class TurnFeatures:
         return TurnFeatures(values, offsets, **kwargs)
 
     def with_values(self, values, *, sites=None, feature_names=None) -> TurnFeatures:
-        """Same conversations, speakers and task ids; new per-turn values."""
+        """Return a container with the same conversations and new per-turn values.
+
+        Parameters
+        ----------
+        values : ndarray or sparse matrix, shape (n_turns_total, ...)
+        sites : sequence of str, optional
+            Site names of the new values; kept when the number of sites is unchanged.
+        feature_names : sequence of str, optional
+
+        Returns
+        -------
+        TurnFeatures
+        """
         if values.shape[0] != self.n_turns_total:
             raise ValueError(
                 f"new values have {values.shape[0]} rows for {self.n_turns_total} turns."
@@ -484,7 +568,16 @@ class TurnFeatures:
                             speakers=speakers, task_ids=task_ids)
 
     def astype(self, dtype) -> TurnFeatures:
-        """Return a copy with values cast to ``dtype``."""
+        """Return a copy with values cast to ``dtype``.
+
+        Parameters
+        ----------
+        dtype : numpy dtype
+
+        Returns
+        -------
+        TurnFeatures
+        """
         return self._replace(values=self.values.astype(dtype))
 
     # ----------------------------------------------------------- persistence
@@ -515,7 +608,12 @@ class TurnFeatures:
         return tensors, meta
 
     def save(self, path) -> None:
-        """Write to a safetensors file (arrays + JSON metadata, no pickle)."""
+        """Write to a safetensors file (arrays + JSON metadata, no pickle).
+
+        Parameters
+        ----------
+        path : str or path-like
+        """
         from safetensors.numpy import save_file
 
         tensors, meta = self._tensors_and_metadata()
@@ -523,7 +621,22 @@ class TurnFeatures:
 
     @classmethod
     def load(cls, path) -> TurnFeatures:
-        """Read a file written by :meth:`save`."""
+        """Read a file written by :meth:`save`.
+
+        Parameters
+        ----------
+        path : str or path-like
+
+        Returns
+        -------
+        TurnFeatures
+
+        Raises
+        ------
+        ValueError
+            When the file is not a readable skafa TurnFeatures file (truncated,
+            edited, or another format).
+        """
         from safetensors import safe_open
         from safetensors.numpy import load_file
 
@@ -556,7 +669,18 @@ class TurnFeatures:
             raise ValueError(f"{path}: corrupt TurnFeatures file ({exc}).") from exc
 
     def equals(self, other) -> bool:
-        """True when values, offsets, sites, names, speakers and task ids are equal."""
+        """Compare two containers exactly.
+
+        Parameters
+        ----------
+        other : object
+
+        Returns
+        -------
+        bool
+            True when values, offsets, sites, feature names, speakers and task ids
+            are all equal.
+        """
         if not isinstance(other, TurnFeatures):
             return False
         if self.is_sparse != other.is_sparse or self.values.shape != other.values.shape:
