@@ -1,0 +1,50 @@
+"""The Who&When benchmark script runs end to end on the tiny random model (seconds)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "benchmark_who_and_when.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("benchmark_who_and_when", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_smoke(tmp_path):
+    bench = _load()
+    result = bench.main(["--smoke", "--out", str(tmp_path / "out"),
+                         "--cache-dir", str(tmp_path / "cache")])
+    methods = set(result["summary"]) - {"_uniform_expected"}
+    expected = {"probe", "probe + position", "multi-site probe", "position-only", "TF-IDF",
+                "dummy: first", "dummy: most_frequent", "dummy: most_frequent_relative",
+                "dummy: uniform", "PromptedJudge (logprob)"}
+    assert methods == expected
+    for name in methods:
+        r = result["summary"][name]
+        assert r["n"] == 40
+        acc = r["step_accuracy"]
+        assert 0.0 <= acc["low"] <= acc["estimate"] <= acc["high"] <= 1.0
+    assert len(result["site_curve_inner"]) == len(result["sites"]) == 5  # 2 layers -> 2L+1
+    saved = json.loads((tmp_path / "out" / "smoke_synthetic.json").read_text())
+    assert saved["paired"] and saved["best_baseline"] in methods
+    md = (tmp_path / "out" / "smoke_synthetic.md").read_text()
+    assert "| probe |" in md and "Paired differences" in md
+    # A second run reads activations and judge scores from the cache: no forward pass.
+    again = bench.main(["--smoke", "--out", str(tmp_path / "out2"),
+                        "--cache-dir", str(tmp_path / "cache")])
+    assert again["n_forward_passes"] == 0
+    assert again["summary"]["probe"] == result["summary"]["probe"]
+
+
+@pytest.mark.parametrize("flag", ["--help"])
+def test_benchmark_cli_help(flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _load().main([flag])
+    assert exc.value.code == 0
+    assert "--max-prompt-tokens" in capsys.readouterr().out
