@@ -369,7 +369,11 @@ def main(argv=None):
     judge_pred = None
     if not args.no_judge:
         t = time.perf_counter()
-        judge_pred = judge_predictions(args, convs, template, args.cache_dir)
+        # The judge appends its answer ("Step: <n>") to the prompt, so it needs a few
+        # tokens of room: prompts at the budget are shortened 16 tokens further for it.
+        judge_template = PromptTemplate(shorten="middle_first",
+                                        max_prompt_tokens=min(budget, ctx - 16))
+        judge_pred = judge_predictions(args, convs, judge_template, args.cache_dir)
         timer.add("judge", time.perf_counter() - t)
         print(f"judge: {timer.t['judge']:.0f}s", flush=True)
 
@@ -435,7 +439,10 @@ def main(argv=None):
                    f"{platform.python_version()}, torch {__import__('torch').__version__}",
         "date": time.strftime("%Y-%m-%d"),
         "prompt_note": f"`PromptTemplate(shorten='middle_first', max_prompt_tokens={budget})`, "
-                       f"fingerprint {template.fingerprint()[:12]}",
+                       f"fingerprint {template.fingerprint()[:12]}"
+                       + ("" if args.no_judge or budget <= ctx - 16 else
+                          f"; the judge's prompts are capped at {ctx - 16} tokens to leave "
+                          "room for its answer"),
         "context_note": context_note, "n_forward_passes": int(n_fwd),
         "sites": list(A.sites), "site_curve_inner": inner.tolist(),
         "site_curve_oof": oof.tolist(), "site_curve_oof_C": C_mode,

@@ -273,7 +273,8 @@ class ActivationCache:
     """
 
     def __init__(self, directory=None, memory=True):
-        self.directory = None if directory is None else os.fspath(directory)
+        self.directory = (None if directory is None
+                          else os.path.expanduser(os.fspath(directory)))
         if memory is True:
             memory = shared_memory_cache()
         elif memory is False:
