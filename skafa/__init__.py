@@ -42,6 +42,9 @@ _LAZY = {
     "SiteConcatenator": "baselines",
     "DummyStepClassifier": "baselines",
     "PromptedJudge": "judge",
+    # pipelines
+    "AttributionPipeline": "pipeline",
+    "make_attribution_pipeline": "pipeline",
     # facade and persistence
     "FailureAttributor": "attributor",
     "Attribution": "attributor",
@@ -51,7 +54,7 @@ _LAZY = {
 
 _SUBMODULES = {
     "attributor", "baselines", "cache", "datasets", "estimators", "extraction",
-    "features", "judge", "metrics", "models", "persistence", "prompt", "selection",
+    "features", "judge", "metrics", "models", "persistence", "pipeline", "prompt", "selection",
     "sites", "testing",
 }
 
