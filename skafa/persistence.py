@@ -155,6 +155,7 @@ _DEFAULT_CLASSES = (
     "skafa.attributor.FailureAttributor",
     # scikit-learn estimators
     "sklearn.pipeline.Pipeline",
+    "skafa.pipeline.AttributionPipeline",
     "sklearn.linear_model.LogisticRegression",
     "sklearn.svm.LinearSVC",
     "sklearn.preprocessing.StandardScaler",
@@ -303,6 +304,7 @@ def _after_load_extraction(est, ctx, path):
 
 _AFTER_LOAD = {
     "sklearn.pipeline.Pipeline": _after_load_pipeline,
+    "skafa.pipeline.AttributionPipeline": _after_load_pipeline,
     "skafa.selection.SiteSelector": _after_load_site_selector,
     "skafa.extraction.TurnActivationTransformer": _after_load_extraction,
     "skafa.judge.PromptedJudge": _after_load_extraction,

@@ -15,7 +15,6 @@ from skafa.attributor import (
     Attribution,
     AttributionReport,
     FailureAttributor,
-    _final_step_call,
 )
 from skafa.estimators import GroupedArgmaxLogisticClassifier
 from skafa.extraction import TurnActivationTransformer
@@ -151,13 +150,17 @@ def test_predict_family_is_consistent(fitted, conversations):
     assert fitted.score(test, [0] * 10) == np.mean(steps == 0)
 
 
-def test_final_step_call_helper(fitted, conversations):
+def test_pipeline_delegates_skafa_methods(fitted, conversations):
+    from skafa.pipeline import AttributionPipeline, final_step_call
+
     pipe = fitted.pipeline_
+    assert isinstance(pipe, AttributionPipeline)
     direct = pipe[-1].predict_agent(pipe[:-1].transform(conversations[30:]))
-    np.testing.assert_array_equal(_final_step_call(pipe, "predict_agent", conversations[30:]),
+    np.testing.assert_array_equal(pipe.predict_agent(conversations[30:]), direct)
+    np.testing.assert_array_equal(final_step_call(pipe, "predict_agent", conversations[30:]),
                                   direct)
-    with pytest.raises(AttributeError, match="no method 'predict_proba'"):
-        _final_step_call(pipe, "predict_proba", conversations[30:])
+    with pytest.raises(AttributeError, match="predict_proba"):
+        final_step_call(pipe, "predict_proba", conversations[30:])
 
 
 def test_clone_and_cross_val_predict(conversations):
