@@ -97,7 +97,7 @@ def run_outer_fold(convs, A, y, groups, train, test, args, judge_pred, multi_sit
     kw = dict(inner=args.inner_folds, n_jobs=args.n_jobs, random_state=0)
 
     t = time.perf_counter()
-    C, sel = select_C_and_site(Atr, ytr, gtr, Cs=args.Cs, sites=None, **kw)
+    C, sel = select_C_and_site(Atr, ytr, gtr, Cs=args.Cs, sites=args.probe_sites, **kw)
     out["probe"] = (sel.predict(Ate), {"site": sel.best_site_, "C": C,
                                        "inner_curve": sel.cv_results_["mean_test_score"].tolist()})
     timer.add("cv_probe", time.perf_counter() - t)
@@ -107,7 +107,7 @@ def run_outer_fold(convs, A, y, groups, train, test, args, judge_pred, multi_sit
     Ptr, Pte = pos.transform(ctr), pos.transform(cte)
     AP_tr = TurnFeatures.concatenate([Atr, Ptr], prefixes=["act", "pos"])
     AP_te = TurnFeatures.concatenate([Ate, Pte], prefixes=["act", "pos"])
-    C, sel = select_C_and_site(AP_tr, ytr, gtr, Cs=args.Cs, sites=None, **kw)
+    C, sel = select_C_and_site(AP_tr, ytr, gtr, Cs=args.Cs, sites=args.probe_sites, **kw)
     out["probe + position"] = (sel.predict(AP_te), {"site": sel.best_site_, "C": C})
     timer.add("cv_probe_position", time.perf_counter() - t)
 
@@ -205,7 +205,9 @@ def markdown(result):
         f"Command: `{result['command']}`  ",
         f"Machine: {result['machine']}; {result['date']}.  ",
         f"Outer CV: GroupKFold({result['folds']}) by task id x {result['repeats']} shuffles; "
-        f"inner CV: GroupKFold({result['inner_folds']}); C grid {result['Cs']}.  ",
+        f"inner CV: GroupKFold({result['inner_folds']}); C grid {result['Cs']}; "
+        f"sites searched: {result.get('site_search', 'all')} "
+        f"({len(result.get('probe_sites', result['sites']))}).  ",
         f"Prompt: {result['prompt_note']}",
         "",
         "| method | step acc % [95% CI] | agent acc % (exact) | agent (normalized) | "
@@ -248,8 +250,9 @@ def plot(result, path):
     sites = result["sites"]
     x = np.arange(len(sites))
     fig, ax = plt.subplots(figsize=(11, 4))
-    ax.plot(x, 100 * np.array(result["site_curve_inner"]), label="inner-CV step accuracy "
-            "(mean over outer fits; what SiteSelector saw)")
+    xi = [sites.index(s) for s in result.get("probe_sites", sites)]
+    ax.plot(xi, 100 * np.array(result["site_curve_inner"]), marker=".", label="inner-CV step "
+            "accuracy (mean over outer fits; what SiteSelector saw)")
     ax.plot(x, 100 * np.array(result["site_curve_oof"]), label="outer-fold step accuracy "
             "per fixed site (optimistic if used to choose)", alpha=0.8)
     for name, style in (("position-only", ":"), ("dummy: most_frequent", "--")):
@@ -306,6 +309,9 @@ def main(argv=None):
     p.add_argument("--inner-folds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--Cs", type=float, nargs="+", default=[0.001, 0.01, 0.1])
+    p.add_argument("--sites", default="all",
+                   help="sites the probes search: 'all' (2L+1), 'stride:K' (every K-th "
+                        "resid_pre layer + resid_final) or a comma-separated list")
     p.add_argument("--n-jobs", type=int, default=1)
     p.add_argument("--n-resamples", type=int, default=2000)
     p.add_argument("--dtype", default="float32")
@@ -378,6 +384,14 @@ def main(argv=None):
         print(f"judge: {timer.t['judge']:.0f}s", flush=True)
 
     L = acts.n_layers_
+    probe_sites = list(A.sites)
+    if args.sites != "all":
+        if args.sites.startswith("stride:"):
+            k = int(args.sites.split(":", 1)[1])
+            probe_sites = [f"resid_pre.{l}" for l in range(0, L, k)] + ["resid_final"]
+        else:
+            probe_sites = [s.strip() for s in args.sites.split(",") if s.strip()]
+    args.probe_sites = probe_sites
     multi_sites = [f"resid_pre.{L // 4}", f"resid_pre.{L // 2}", f"resid_pre.{3 * L // 4}",
                    "resid_final"]
     multi_sites = list(dict.fromkeys(multi_sites))
@@ -434,7 +448,7 @@ def main(argv=None):
     result = {
         "model": str(args.model), "model_label": label, "tag": tag, "subset": subset_label,
         "n_conversations": len(convs), "folds": args.folds, "inner_folds": args.inner_folds,
-        "repeats": args.repeats, "Cs": args.Cs, "command": command,
+        "repeats": args.repeats, "Cs": args.Cs, "site_search": args.sites, "command": command,
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python "
                    f"{platform.python_version()}, torch {__import__('torch').__version__}",
         "date": time.strftime("%Y-%m-%d"),
@@ -444,7 +458,8 @@ def main(argv=None):
                           f"; the judge's prompts are capped at {ctx - 16} tokens to leave "
                           "room for its answer"),
         "context_note": context_note, "n_forward_passes": int(n_fwd),
-        "sites": list(A.sites), "site_curve_inner": inner.tolist(),
+        "sites": list(A.sites), "probe_sites": probe_sites,
+        "site_curve_inner": inner.tolist(),
         "site_curve_oof": oof.tolist(), "site_curve_oof_C": C_mode,
         "summary": summary, "best_baseline": best_baseline, "paired": paired_res,
         "choices_note": choices_note, "choices": infos if args.smoke else [
