@@ -77,6 +77,10 @@ class AttributionPipeline(Pipeline):
     True
     """
 
+    def __init__(self, steps, *, transform_input=None, memory=None, verbose=False):
+        super().__init__(steps, transform_input=transform_input, memory=memory,
+                         verbose=verbose)
+
     @available_if(_final_estimator_has("predict_agent"))
     def predict_agent(self, X):
         """Speaker of the predicted decisive turn of each conversation.
