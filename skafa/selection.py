@@ -37,6 +37,15 @@ from .metrics import SCORERS
 __all__ = ["SiteSelector", "site_sweep"]
 
 
+def _ignores_groups(cv):
+    """True for splitters that ignore ``groups`` (KFold, ShuffleSplit, ...)."""
+    try:
+        from sklearn.model_selection._split import _UnsupportedGroupCVMixin
+    except ImportError:  # pragma: no cover - older/newer scikit-learn
+        return False
+    return isinstance(cv, _UnsupportedGroupCVMixin)
+
+
 def _check_site_cv(cv):
     """``None`` -> ``GroupKFold(5)``; int ``n`` -> ``GroupKFold(n)``; else check_cv."""
     if cv is None:
@@ -337,7 +346,8 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
         scorer = _get_scorer(self.estimator, self.scoring)
         split_params, fit_params = self._split_and_fit_params(groups, params)
 
-        if split_params.get("groups") is None and X.task_ids is not None:
+        if (split_params.get("groups") is None and X.task_ids is not None
+                and not _ignores_groups(cv)):
             if all(t is not None for t in X.task_ids):
                 split_params["groups"] = X.task_ids
         try:

@@ -128,7 +128,6 @@ def features():
     return X[:40], y[:40], X[40:], y[40:]
 
 
-@pytest.mark.filterwarnings("ignore:The groups parameter is ignored by KFold")
 @pytest.mark.parametrize("name", sorted(PROBES))
 def test_probe_roundtrip_bitwise(name, features, tmp_path):
     X_tr, y_tr, X_te, y_te = features

@@ -370,3 +370,22 @@ def test_site_sweep(data):
         site_sweep(GroupedArgmaxLogisticClassifier(), X_tr, y_tr,
                    X_te.select_sites(["s0"]), y_te, sites=["s0", "s1"])
     assert "optimistic" in site_sweep.__doc__
+
+
+def test_task_id_fallback_not_passed_to_splitters_that_ignore_groups():
+    """KFold gets no fallback groups (so no 'groups parameter is ignored' warning)."""
+    import warnings
+
+    from sklearn.model_selection import KFold
+
+    from skafa import GroupedArgmaxLogisticClassifier, SiteSelector, TurnFeatures
+
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(3, 6, 20)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    X = TurnFeatures(rng.normal(size=(offsets[-1], 2, 4)), offsets, sites=["a", "b"],
+                     task_ids=[f"t{i // 2}" for i in range(20)])
+    y = np.array([rng.integers(0, s) for s in sizes])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SiteSelector(GroupedArgmaxLogisticClassifier(), cv=KFold(3)).fit(X, y)
