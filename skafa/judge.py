@@ -431,9 +431,9 @@ class PromptedJudge(BaseEstimator):
     argmax (ties go to the earliest step). Cost: one forward pass over the
     prompt with ``use_cache=True``, then one packed pass over all candidates'
     tokens (about ``n_steps * n_digits`` tokens for the whole conversation)
-    attending to the cached prompt through a custom 4-D mask. For SmolLM2 on
-    Who&When prompts of ~1,000 tokens this measured 0.9-1.1x the time of one
-    plain forward pass over the prompt (one forward per candidate: 6-19x).
+    attending to the cached prompt through a custom 4-D mask, so the judge costs
+    about one forward pass over the prompt (one forward pass per candidate would
+    cost ``n_steps`` of them).
 
     In ``mode="generate"`` the model greedily writes up to ``max_new_tokens``
     tokens after ``answer_prefix``; the first integer (``-?\\d+``) in that text is
