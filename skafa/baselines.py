@@ -1055,38 +1055,9 @@ class DummyStepClassifier(BaseEstimator):
         return _conversation_label(list(X)[i] if not isinstance(X, Sequence) else X[i], i)
 
     def _check_y(self, X, y, n_turns):
-        if y is None:
-            raise ValueError("DummyStepClassifier: y (the decisive step of each conversation) "
-                             "is required.")
-        y = np.asarray(y)
-        if y.ndim != 1:
-            y = np.squeeze(y) if y.ndim == 2 and 1 in y.shape else y
-        if y.ndim != 1:
-            raise ValueError(f"DummyStepClassifier: y must be 1-D, got shape {y.shape}.")
-        if y.shape[0] != n_turns.shape[0]:
-            raise ValueError(
-                f"DummyStepClassifier: y has {y.shape[0]} steps for {n_turns.shape[0]} "
-                "conversations."
-            )
-        if y.dtype.kind == "b" or y.dtype.kind not in "iuf":
-            raise ValueError(
-                f"DummyStepClassifier: y must hold integer steps, got dtype {y.dtype}."
-            )
-        if y.dtype.kind == "f":
-            bad = np.flatnonzero(~np.isfinite(y) | (y != np.round(y)))
-            if bad.size:
-                i = int(bad[0])
-                raise ValueError(f"DummyStepClassifier: y[{i}]={y[i]!r} ({self._label(X, i)}) "
-                                 "is not an integer step.")
-        y = y.astype(np.int64)
-        bad = np.flatnonzero((y < 0) | (y >= n_turns))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(
-                f"DummyStepClassifier: y[{i}]={int(y[i])} is outside {self._label(X, i)}, "
-                f"which has {int(n_turns[i])} turns."
-            )
-        return y
+        from .estimators import _validate_steps
+
+        return _validate_steps(y, n_turns, lambda i: self._label(X, i))
 
     # -------------------------------------------------------------------- fit
     def fit(self, X, y, groups=None):

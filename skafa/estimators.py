@@ -80,11 +80,24 @@ def _conversation_label(X, i):
     return label
 
 
-def _check_steps(y, X):
-    """Validate decisive-step targets: one integer per conversation, in range.
+def _validate_steps(y, n_turns, describe):
+    """Validate decisive-step targets against turn counts (the one shared check).
 
     Integer-valued floats (e.g. ``2.0``) are accepted and cast; anything else
     raises a ValueError naming the first offending conversation.
+
+    Parameters
+    ----------
+    y : array-like
+        One decisive step per conversation.
+    n_turns : ndarray of int, shape (n_conversations,)
+        Turns of each conversation.
+    describe : callable
+        ``describe(i)`` names conversation ``i`` in messages (index, task id, ...).
+
+    Returns
+    -------
+    ndarray of int64
     """
     if y is None:
         raise ValueError(
@@ -104,9 +117,9 @@ def _check_steps(y, X):
         raise ValueError(
             f"y must be 1-D (one decisive step per conversation), got shape {y.shape}."
         )
-    if y.shape[0] != len(X):
+    if y.shape[0] != len(n_turns):
         raise ValueError(
-            f"y has {y.shape[0]} entries but X holds {len(X)} conversations; "
+            f"y has {y.shape[0]} entries but X holds {len(n_turns)} conversations; "
             "give one decisive step per conversation."
         )
     if y.dtype.kind == "b" or y.dtype.kind not in "iuf":
@@ -119,11 +132,22 @@ def _check_steps(y, X):
             i = int(bad[0])
             raise ValueError(
                 f"y[{i}] = {float(y[i])} is not an integer turn index; it is the step "
-                f"of {_conversation_label(X, i)}."
+                f"of {describe(i)}."
             )
     y = y.astype(np.int64)
-    X.global_turn_index(y)  # range check, names conversation and task id
+    bad = np.flatnonzero((y < 0) | (y >= n_turns))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"y[{i}]={int(y[i])} is outside {describe(i)}, which has "
+            f"{int(n_turns[i])} turns."
+        )
     return y
+
+
+def _check_steps(y, X):
+    """Validate decisive-step targets for a TurnFeatures ``X`` (see ``_validate_steps``)."""
+    return _validate_steps(y, X.n_turns, lambda i: _conversation_label(X, i))
 
 
 def _locate_row(X, row):

@@ -82,7 +82,7 @@ def _describe(index, conv):
     return " ".join(parts[:1]) + (f" ({', '.join(parts[1:])})" if len(parts) > 1 else "")
 
 
-def _check_steps(y, convs, *, what="y"):
+def _check_steps(y, convs):
     """Validate step labels against the conversations; None -> their mistake_step."""
     if y is None:
         missing = [i for i, c in enumerate(convs) if c.mistake_step is None]
@@ -92,24 +92,10 @@ def _check_steps(y, convs, *, what="y"):
                 f"y is None and {_describe(i, convs[i])} has no mistake_step; pass y."
             )
         return np.array([c.mistake_step for c in convs], dtype=np.int64)
-    y = np.asarray(y)
-    if y.ndim != 1 or y.shape[0] != len(convs):
-        raise ValueError(
-            f"{what} must be 1-D with one step per conversation ({len(convs)}), got "
-            f"shape {y.shape}."
-        )
-    if y.dtype.kind not in "iu":
-        if y.dtype.kind == "f" and np.all(np.isfinite(y)) and np.all(y == np.round(y)):
-            y = y.astype(np.int64)
-        else:
-            raise ValueError(f"{what} must hold integer step indices, got dtype {y.dtype}.")
-    for i, (step, conv) in enumerate(zip(y, convs)):
-        if not 0 <= step < len(conv):
-            raise ValueError(
-                f"{what}[{i}]={int(step)} is outside {_describe(i, conv)} "
-                f"(steps 0..{len(conv) - 1})."
-            )
-    return y.astype(np.int64)
+    from .estimators import _validate_steps
+
+    return _validate_steps(y, np.array([len(c) for c in convs], dtype=np.int64),
+                           lambda i: _describe(i, convs[i]))
 
 
 def _softmax(scores):
