@@ -207,7 +207,8 @@ def markdown(result):
         f"Outer CV: GroupKFold({result['folds']}) by task id x {result['repeats']} shuffles; "
         f"inner CV: GroupKFold({result['inner_folds']}); C grid {result['Cs']}; "
         f"sites searched: {result.get('site_search', 'all')} "
-        f"({len(result.get('probe_sites', result['sites']))}).  ",
+        f"({len(result.get('probe_sites', result['sites']))}); "
+        f"turn vectors read at: {result.get('read', 'last')} (`read=` of the extractor).  ",
         f"Prompt: {result['prompt_note']}",
         "",
         "| method | step acc % [95% CI] | agent acc % (exact) | agent (normalized) | "
@@ -312,6 +313,8 @@ def main(argv=None):
     p.add_argument("--sites", default="all",
                    help="sites the probes search: 'all' (2L+1), 'stride:K' (every K-th "
                         "resid_pre layer + resid_final) or a comma-separated list")
+    p.add_argument("--read", choices=["last", "mean"], default="last",
+                   help="turn vector: last token of the turn, or mean over the turn's line")
     p.add_argument("--n-jobs", type=int, default=1)
     p.add_argument("--n-resamples", type=int, default=2000)
     p.add_argument("--dtype", default="float32")
@@ -365,8 +368,9 @@ def main(argv=None):
 
     # ---- extraction (all sites, one pass per conversation, disk cache)
     t = time.perf_counter()
-    acts = TurnActivationTransformer(model=args.model, prompt=template, dtype=args.dtype,
-                                     cache_dir=args.cache_dir, verbose=1).fit(convs)
+    acts = TurnActivationTransformer(model=args.model, read=args.read, prompt=template,
+                                     dtype=args.dtype, cache_dir=args.cache_dir,
+                                     verbose=1).fit(convs)
     A = acts.transform(convs)
     timer.add("extraction", time.perf_counter() - t)
     n_fwd = acts.n_forward_passes_
@@ -449,6 +453,7 @@ def main(argv=None):
         "model": str(args.model), "model_label": label, "tag": tag, "subset": subset_label,
         "n_conversations": len(convs), "folds": args.folds, "inner_folds": args.inner_folds,
         "repeats": args.repeats, "Cs": args.Cs, "site_search": args.sites, "command": command,
+        "read": args.read,
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python "
                    f"{platform.python_version()}, torch {__import__('torch').__version__}",
         "date": time.strftime("%Y-%m-%d"),

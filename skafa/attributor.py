@@ -321,15 +321,17 @@ def _true_agents(convs, y, defaulted):
 class FailureAttributor(BaseEstimator):
     """Find the decisive step and agent of failed multi-agent runs, in one object.
 
-    Reads a language model's hidden states at the last token of every turn
-    (:class:`~skafa.extraction.TurnActivationTransformer`) and fits a
+    Reads a language model's hidden states at the last token of every turn, or
+    averaged over the turn (:class:`~skafa.extraction.TurnActivationTransformer`),
+    and fits a
     standardized logistic-regression probe
     (:class:`~skafa.estimators.GroupedArgmaxLogisticClassifier`) at the
     activation site chosen by grouped cross-validation on the training data
     (:class:`~skafa.selection.SiteSelector`). Internally it is exactly::
 
         AttributionPipeline([
-            ("acts", TurnActivationTransformer(model, sites=sites, prompt=prompt,
+            ("acts", TurnActivationTransformer(model, sites=sites, read=read,
+                                               prompt=prompt,
                                                chat_template_kwargs=..., device=...,
                                                dtype=..., cache_dir=...,
                                                batch_size=..., verbose=...)),
@@ -348,6 +350,9 @@ class FailureAttributor(BaseEstimator):
     sites : None, str or list of str, default=None
         Sites to extract and compare (see :mod:`skafa.sites`); ``None`` means
         all ``2L + 1``. Fewer sites make the site search faster.
+    read : {"last", "mean"}, default="last"
+        Turn vector: the hidden state at the turn's last token, or its mean over
+        the turn's line (see :class:`~skafa.extraction.TurnActivationTransformer`).
     C : float, default=1.0
         Inverse L2 regularization strength of the probe.
     cv : int, cross-validation generator or iterable, default=None
@@ -413,6 +418,7 @@ class FailureAttributor(BaseEstimator):
         model="smollm2",
         *,
         sites=None,
+        read="last",
         C=1.0,
         cv=None,
         prompt=None,
@@ -426,6 +432,7 @@ class FailureAttributor(BaseEstimator):
     ):
         self.model = model
         self.sites = sites
+        self.read = read
         self.C = C
         self.cv = cv
         self.prompt = prompt
@@ -450,6 +457,7 @@ class FailureAttributor(BaseEstimator):
         extractor = TurnActivationTransformer(
             self.model,
             sites=self.sites,
+            read=self.read,
             prompt=self.prompt,
             chat_template_kwargs=self.chat_template_kwargs,
             device=self.device,

@@ -95,7 +95,7 @@ def _canonical_json(obj):
 
 def activation_key(*, model_identity, model_fingerprint, dtype, prompt_fingerprint,
                    chat_template_kwargs, conversation, tokenizer_fingerprint=None,
-                   template_date=None):
+                   template_date=None, read="last"):
     """SHA-256 key of one conversation's activations.
 
     Parameters
@@ -120,6 +120,10 @@ def activation_key(*, model_identity, model_fingerprint, dtype, prompt_fingerpri
     template_date : str, optional
         Today's date when the chat template writes it and it is not pinned, so that
         entries from another day are not reused.
+    read : str, default="last"
+        How turn vectors are read (:class:`~skafa.extraction.TurnActivationTransformer`'s
+        ``read``). ``"last"`` adds nothing to the key, so caches written before this
+        option existed stay valid.
 
     Returns
     -------
@@ -139,6 +143,8 @@ def activation_key(*, model_identity, model_fingerprint, dtype, prompt_fingerpri
         "tokenizer": tokenizer_fingerprint,
         "template_date": template_date,
     }
+    if read != "last":
+        payload["read"] = str(read)
     return hashlib.sha256(_canonical_json(payload).encode("utf-8")).hexdigest()
 
 

@@ -86,10 +86,21 @@ class SiteReader:
         self.stop_site = None if (deepest == "resid_final" or not early_stop) else deepest
         self._buffer = None
         self._rows = None
+        self._segments = None
+        self._counts = None
 
     def _gather(self, column, site, hidden):
+        import torch
+
         flat = hidden.reshape(-1, hidden.shape[-1])
-        self._buffer[:, column, :].copy_(flat.index_select(0, self._rows))
+        picked = flat.index_select(0, self._rows)
+        if self._segments is None:
+            self._buffer[:, column, :].copy_(picked)
+        else:
+            sums = torch.zeros((self._buffer.shape[0], flat.shape[-1]), dtype=torch.float32,
+                               device=picked.device)
+            sums.index_add_(0, self._segments, picked.to(torch.float32))
+            self._buffer[:, column, :].copy_(sums / self._counts)
         if site == self.stop_site:
             raise _StopForward
 
@@ -114,7 +125,7 @@ class SiteReader:
                 handles.append(module.register_forward_hook(hook))
         return handles
 
-    def run(self, input_ids, rows, *, attention_mask=None):
+    def run(self, input_ids, rows, *, attention_mask=None, segments=None, n_out=None):
         """Run one forward pass and return the sites at the given rows.
 
         Parameters
@@ -125,18 +136,30 @@ class SiteReader:
             Indices into the flattened ``(batch * seq_len)`` token axis.
         attention_mask : torch.Tensor of shape (batch, seq_len), optional
             1 for real tokens, 0 for (right) padding.
+        segments : torch.LongTensor of shape (n_rows,), optional
+            Output row of every read row: rows sharing a segment are averaged
+            (summed in float32, divided by their count). ``None`` returns every row.
+        n_out : int, optional
+            Number of segments; required with ``segments``.
 
         Returns
         -------
-        values : torch.Tensor of float32, shape (n_rows, n_sites, hidden_size)
+        values : torch.Tensor of float32, shape (n_rows or n_out, n_sites, hidden_size)
         """
         import torch
 
         hidden = self.layout.embedding.weight.shape[-1]
         with _model_lock(self.layout.decoder):
-            self._buffer = torch.empty((rows.shape[0], len(self.sites), hidden),
+            n = rows.shape[0] if segments is None else int(n_out)
+            self._buffer = torch.empty((n, len(self.sites), hidden),
                                        dtype=torch.float32, device=rows.device)
             self._rows = rows
+            self._segments = segments
+            if segments is not None:
+                counts = torch.bincount(segments, minlength=n).to(torch.float32)
+                if bool((counts == 0).any()):
+                    raise ValueError("every segment must contain at least one row.")
+                self._counts = counts[:, None]
             handles = self._register()
             try:
                 with torch.inference_mode():
@@ -151,6 +174,8 @@ class SiteReader:
                     h.remove()
                 self._buffer = None
                 self._rows = None
+                self._segments = None
+                self._counts = None
 
 
 def _batches(lengths, batch_size):
@@ -159,8 +184,8 @@ def _batches(lengths, batch_size):
     return [order[k:k + batch_size] for k in range(0, len(order), batch_size)]
 
 
-def extract_activations(model, input_ids, positions, sites, *, batch_size=1, pad_token_id=0,
-                        early_stop=True, on_done=None):
+def extract_activations(model, input_ids, positions, sites, *, starts=None, batch_size=1,
+                        pad_token_id=0, early_stop=True, on_done=None):
     """Read ``sites`` at ``positions`` of each sequence, one forward pass per batch.
 
     The building block of :class:`TurnActivationTransformer`, usable on any
@@ -177,6 +202,11 @@ def extract_activations(model, input_ids, positions, sites, *, batch_size=1, pad
         Token positions to read in each sequence.
     sites : sequence of str
         Valid site names.
+    starts : sequence of 1-D int arrays, optional
+        With ``starts``, row ``k`` of sequence ``i`` is the *mean* of the sites over
+        tokens ``starts[i][k] .. positions[i][k]`` (inclusive) instead of the value
+        at ``positions[i][k]``. Spans may overlap; each needs
+        ``0 <= starts[i][k] <= positions[i][k]``.
     batch_size : int, default=1
         Sequences per forward pass. Batches are formed by decreasing length and
         right-padded; with causal attention a real token never attends to the
@@ -205,7 +235,7 @@ def extract_activations(model, input_ids, positions, sites, *, batch_size=1, pad
         padded = any(lengths[i] != width for i in batch)
         ids = np.full((len(batch), width), int(pad_token_id), dtype=np.int64)
         mask = np.zeros((len(batch), width), dtype=np.int64) if padded else None
-        rows, counts = [], []
+        rows, segments, counts = [], [], []
         for b, i in enumerate(batch):
             ids[b, : lengths[i]] = np.asarray(input_ids[i], dtype=np.int64)
             if mask is not None:
@@ -216,11 +246,29 @@ def extract_activations(model, input_ids, positions, sites, *, batch_size=1, pad
                     f"sequence {i}: positions must lie in 0..{lengths[i] - 1}, got "
                     f"{pos.min()}..{pos.max()}."
                 )
-            rows.append(pos + b * width)
+            if starts is None:
+                rows.append(pos + b * width)
+            else:
+                first = np.asarray(starts[i], dtype=np.int64)
+                if first.shape != pos.shape or (pos.size and (
+                        first.min() < 0 or np.any(first > pos))):
+                    raise ValueError(
+                        f"sequence {i}: starts must have the shape of positions and satisfy "
+                        "0 <= starts <= positions.")
+                span = pos - first + 1
+                # Token rows first..pos of every span, and the output row of each.
+                within = np.arange(int(span.sum()), dtype=np.int64) - np.repeat(
+                    np.cumsum(span) - span, span)
+                rows.append(np.repeat(first, span) + within + b * width)
+                segments.append(np.repeat(np.arange(pos.size, dtype=np.int64) + sum(counts),
+                                          span))
             counts.append(pos.size)
         rows = torch.from_numpy(np.concatenate(rows)).to(device)
+        seg = (None if starts is None
+               else torch.from_numpy(np.concatenate(segments)).to(device))
         out = reader.run(torch.from_numpy(ids).to(device), rows,
-                         attention_mask=None if mask is None else torch.from_numpy(mask).to(device))
+                         attention_mask=None if mask is None else torch.from_numpy(mask).to(device),
+                         segments=seg, n_out=sum(counts))
         out = out.cpu().numpy()
         start = 0
         for i, n in zip(batch, counts):
@@ -260,6 +308,9 @@ def _today():
     return datetime.date.today().isoformat()
 
 
+_READ = ("last", "mean")
+
+
 def _tokenizer_fingerprint(tokenizer):
     """sha256 of what makes a tokenizer render and split text the way it does."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -284,7 +335,7 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
 
     For every conversation: render the prompt, run one forward pass of the base
     decoder, and read each requested site at the token holding each turn's last
-    character. The result is a :class:`~skafa.features.TurnFeatures` with values
+    character (``read="last"``) or averaged over the turn's line (``read="mean"``). The result is a :class:`~skafa.features.TurnFeatures` with values
     of shape ``(n_turns_total, n_sites, hidden_size)`` (float32).
 
     Parameters
@@ -298,6 +349,13 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
         Sites to read (see :mod:`skafa.sites`); ``None`` reads all ``2L + 1``.
         Reading every site costs the same single forward pass, so keep the default
         and select sites downstream unless memory is tight.
+    read : {"last", "mean"}, default="last"
+        Where a turn's vector comes from. ``"last"``: the token holding the turn's
+        last character (:attr:`skafa.prompt.Encoding.turn_positions`), which in a
+        causal model has seen the whole turn and everything before it. ``"mean"``:
+        the average over the tokens of the turn's line, from its first token
+        (:attr:`skafa.prompt.Encoding.turn_start_positions`) to that last token.
+        Same single forward pass either way; part of the cache key.
     prompt : PromptTemplate, default=None
         How a conversation becomes a prompt; ``None`` uses ``PromptTemplate()``.
     chat_template_kwargs : dict, default=None
@@ -353,11 +411,12 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
     (n_turns_total, 1, 576)
     """
 
-    def __init__(self, model="smollm2", *, sites=None, prompt=None, chat_template_kwargs=None,
-                 device="cpu", dtype="float32", cache_dir=None, memory_cache=True,
-                 batch_size=1, verbose=0):
+    def __init__(self, model="smollm2", *, sites=None, read="last", prompt=None,
+                 chat_template_kwargs=None, device="cpu", dtype="float32", cache_dir=None,
+                 memory_cache=True, batch_size=1, verbose=0):
         self.model = model
         self.sites = sites
+        self.read = read
         self.prompt = prompt
         self.chat_template_kwargs = chat_template_kwargs
         self.device = device
@@ -395,6 +454,8 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
                 "loaded yourself with skafa.models.register_model(name, model, tokenizer) "
                 "and pass the name."
             )
+        if not isinstance(self.read, str) or self.read not in _READ:
+            raise ValueError(f"read must be one of {_READ}, got {self.read!r}.")
         if self.prompt is not None and not isinstance(self.prompt, PromptTemplate):
             raise TypeError(
                 f"prompt must be a skafa.prompt.PromptTemplate or None, got "
@@ -487,6 +548,7 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
             conversation=conversation,
             tokenizer_fingerprint=self.tokenizer_fingerprint_,
             template_date=template_date,
+            read=self.read,
         )
 
     def transform(self, X):
@@ -543,7 +605,7 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
         from .prompt import check_fits
 
         # Render and check every prompt before spending any compute.
-        input_ids, positions = [], []
+        input_ids, positions, starts = [], [], []
         for i in todo:
             conv = X[i]
             enc = self.prompt_.encode(conv, self._tokenizer,
@@ -557,6 +619,7 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
                 )
             input_ids.append(np.asarray(enc.input_ids, dtype=np.int64))
             positions.append(pos)
+            starts.append(np.asarray(enc.turn_start_positions, dtype=np.int64))
 
         sites = self.sites_
         bar = None
@@ -585,6 +648,7 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
         n_batches = -(-len(todo) // int(self.batch_size))
         try:
             extract_activations(self._model, input_ids, positions, sites,
+                                starts=starts if self.read == "mean" else None,
                                 batch_size=int(self.batch_size),
                                 pad_token_id=0 if pad is None else int(pad),
                                 on_done=done)

@@ -351,6 +351,12 @@ class Encoding:
         (e.g. the space after ``"speaker:"``). When several tokens cover that
         character (a multi-byte character split into byte tokens), the last of them.
         Strictly increasing.
+    turn_start_positions : ndarray of int64, shape (n_turns,)
+        For each turn, the index of the first token of its turn line: the token
+        holding the line's first character, or the token after the previous turn's
+        position when that token also holds the end of the previous turn. Tokens
+        ``turn_start_positions[i] .. turn_positions[i]`` (inclusive) are turn
+        ``i``'s line up to its last character (the span ``read="mean"`` averages).
     turn_char_spans : ndarray of int64, shape (n_turns, 2)
         ``[start, end)`` of each turn's whole line in :attr:`text`.
     turn_last_chars : ndarray of int64, shape (n_turns,)
@@ -367,6 +373,7 @@ class Encoding:
 
     input_ids: np.ndarray
     turn_positions: np.ndarray
+    turn_start_positions: np.ndarray
     turn_char_spans: np.ndarray
     turn_last_chars: np.ndarray
     offsets: np.ndarray
@@ -498,6 +505,18 @@ def _tokenize(tokenizer, text, last_chars, where):
     return ids, offsets, positions.astype(np.int64)
 
 
+def _start_positions(offsets, line_starts, positions):
+    """First token of every turn line (see :attr:`Encoding.turn_start_positions`)."""
+    ends = offsets[:, 1]
+    # First token ending after the line's first character, i.e. the token holding it
+    # (or the first token after it, for a zero-width oddity).
+    starts = np.searchsorted(np.maximum.accumulate(ends) if len(ends) else ends,
+                             np.asarray(line_starts), side="right")
+    previous = np.concatenate([[-1], positions[:-1]]) if len(positions) else positions
+    starts = np.maximum(starts, previous + 1)
+    return np.minimum(starts, positions).astype(np.int64)
+
+
 def _warn_special(conversation, tokenizer, where):
     specials = [t for t in (getattr(tokenizer, "all_special_tokens", None) or []) if t]
     if not specials:
@@ -516,10 +535,12 @@ def _encode_contents(template, conversation, tokenizer, contents, removed,
     text, spans, last_chars = _render(template, conversation, tokenizer, contents,
                                       chat_template_kwargs, where)
     ids, offsets, positions = _tokenize(tokenizer, text, last_chars, where)
+    starts = _start_positions(offsets, spans[:, 0], positions)
     removed = np.asarray(removed, dtype=np.int64)
     return Encoding(
         input_ids=_array(ids),
         turn_positions=_array(positions),
+        turn_start_positions=_array(starts),
         turn_char_spans=_array(spans),
         turn_last_chars=_array(last_chars),
         offsets=_array(offsets),

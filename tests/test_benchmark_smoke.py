@@ -40,6 +40,12 @@ def test_benchmark_smoke(tmp_path):
                         "--cache-dir", str(tmp_path / "cache")])
     assert again["n_forward_passes"] == 0
     assert again["summary"]["probe"] == result["summary"]["probe"]
+    assert "read at: last" in md
+    # --read mean is another extraction (its own cache entries), reported as such.
+    mean = bench.main(["--smoke", "--read", "mean", "--no-judge", "--tag", "smoke-mean",
+                       "--out", str(tmp_path / "out3"), "--cache-dir", str(tmp_path / "cache")])
+    assert mean["n_forward_passes"] == 40 and mean["read"] == "mean"
+    assert "read at: mean" in (tmp_path / "out3" / "smoke-mean_synthetic.md").read_text()
 
 
 @pytest.mark.parametrize("flag", ["--help"])
