@@ -424,7 +424,9 @@ def main(argv=None):
     best_baseline = max(baselines, key=lambda k: summary[k]["step_accuracy"]["estimate"])
     paired_res = {}
     for pr in probes:
-        for b in dict.fromkeys([best_baseline, "position-only"]):
+        # The judge is the behavioural baseline on the same model: always compared.
+        judge = [k for k in preds if k.startswith("PromptedJudge")]
+        for b in dict.fromkeys([best_baseline, "position-only", *judge]):
             paired_res[f"{pr} - {b}"] = paired(per_conv, pr, b, groups,
                                                n_resamples=args.n_resamples, seed=0)
 

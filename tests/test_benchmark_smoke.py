@@ -33,6 +33,7 @@ def test_benchmark_smoke(tmp_path):
     assert len(result["site_curve_inner"]) == len(result["sites"]) == 5  # 2 layers -> 2L+1
     saved = json.loads((tmp_path / "out" / "smoke_synthetic.json").read_text())
     assert saved["paired"] and saved["best_baseline"] in methods
+    assert "probe - PromptedJudge (logprob)" in saved["paired"]
     md = (tmp_path / "out" / "smoke_synthetic.md").read_text()
     assert "| probe |" in md and "Paired differences" in md
     # A second run reads activations and judge scores from the cache: no forward pass.
