@@ -94,3 +94,14 @@ def test_user_guide_snippets_run(tmp_path, monkeypatch):
                 exec(compile(code, f"{GUIDE}:{line}", "exec"), namespace)
     finally:
         unregister_model("tiny")
+
+
+def test_benchmark_read_mean_help(capsys):
+    spec = importlib.util.spec_from_file_location(
+        "benchmark_read_mean", EXAMPLES / "benchmark_read_mean.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--help"])
+    assert exc.value.code == 0
+    assert "--repeats" in capsys.readouterr().out
