@@ -264,7 +264,9 @@ def plot(result, path):
     ax.set_xticks(x[::step])
     ax.set_xticklabels([sites[i] for i in x[::step]], rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("step accuracy (%)")
-    ax.set_title(f"{result['model_label']} - Who&When {result['subset']}: accuracy per site")
+    read = result.get("read", "last")
+    ax.set_title(f"{result['model_label']} - Who&When {result['subset']}: accuracy per site"
+                 + ("" if read == "last" else f" (read={read})"))
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -472,6 +474,10 @@ def main(argv=None):
         "choices_note": choices_note, "choices": infos if args.smoke else [
             {k: v for k, v in i.items() if k != "inner_curve"} for i in infos],
         "times": {k: round(v, 1) for k, v in timer.t.items()},
+        # Per-conversation predictions (repeat x conversation), so that two runs on the
+        # same records (e.g. --read last vs mean) can be compared pairwise later.
+        "record_ids": [c.record_id for c in convs],
+        "predictions": {k: np.asarray(v).astype(int).tolist() for k, v in preds.items()},
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

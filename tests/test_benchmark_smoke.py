@@ -4,6 +4,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "benchmark_who_and_when.py"
@@ -34,6 +35,8 @@ def test_benchmark_smoke(tmp_path):
     saved = json.loads((tmp_path / "out" / "smoke_synthetic.json").read_text())
     assert saved["paired"] and saved["best_baseline"] in methods
     assert "probe - PromptedJudge (logprob)" in saved["paired"]
+    assert set(saved["predictions"]) == methods
+    assert np.asarray(saved["predictions"]["probe"]).shape == (1, 40)
     md = (tmp_path / "out" / "smoke_synthetic.md").read_text()
     assert "| probe |" in md and "Paired differences" in md
     # A second run reads activations and judge scores from the cache: no forward pass.
