@@ -477,6 +477,7 @@ def main(argv=None):
         # Per-conversation predictions (repeat x conversation), so that two runs on the
         # same records (e.g. --read last vs mean) can be compared pairwise later.
         "record_ids": [c.record_id for c in convs],
+        "y_true": [int(v) for v in y], "task_ids": [str(g) for g in groups],
         "predictions": {k: np.asarray(v).astype(int).tolist() for k, v in preds.items()},
     }
     out = Path(args.out)

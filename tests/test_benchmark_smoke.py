@@ -50,6 +50,22 @@ def test_benchmark_smoke(tmp_path):
                        "--out", str(tmp_path / "out3"), "--cache-dir", str(tmp_path / "cache")])
     assert mean["n_forward_passes"] == 40 and mean["read"] == "mean"
     assert "read at: mean" in (tmp_path / "out3" / "smoke-mean_synthetic.md").read_text()
+    # The two runs compare pairwise from their JSONs.
+    spec = importlib.util.spec_from_file_location(
+        "compare_runs", SCRIPT.parent / "compare_runs.py")
+    cmp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cmp)
+    rows = cmp.main([str(tmp_path / "out" / "smoke_synthetic.json"),
+                     str(tmp_path / "out3" / "smoke-mean_synthetic.json"), "--n-resamples", "200"])
+    assert "probe" in rows and "PromptedJudge (logprob)" not in rows  # B has no judge
+    r = rows["probe"]
+    assert r["diff"] == pytest.approx(r["a"] - r["b"])
+    assert r["low"] <= r["diff"] <= r["high"]
+    assert rows["position-only"]["diff"] == 0.0  # baselines do not depend on the read
+    same = cmp.compare(saved, saved, methods=["probe"])
+    assert same["probe"]["diff"] == same["probe"]["low"] == same["probe"]["high"] == 0.0
+    with pytest.raises(ValueError, match="not in both runs"):
+        cmp.compare(saved, saved, methods=["nope"])
 
 
 @pytest.mark.parametrize("flag", ["--help"])
