@@ -335,8 +335,9 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
 
     For every conversation: render the prompt, run one forward pass of the base
     decoder, and read each requested site at the token holding each turn's last
-    character (``read="last"``) or averaged over the turn's line (``read="mean"``). The result is a :class:`~skafa.features.TurnFeatures` with values
-    of shape ``(n_turns_total, n_sites, hidden_size)`` (float32).
+    character (``read="last"``) or averaged over the turn's line (``read="mean"``).
+    The result is a :class:`~skafa.features.TurnFeatures` with values of shape
+    ``(n_turns_total, n_sites, hidden_size)`` (float32).
 
     Parameters
     ----------
