@@ -35,9 +35,8 @@ import numpy as np
 from sklearn.model_selection import GroupKFold, GroupShuffleSplit, cross_val_predict
 
 from skafa.attributor import FailureAttributor
-from skafa.baselines import DummyStepClassifier
 from skafa.datasets import load_who_and_when
-from skafa.estimators import GroupedArgmaxLogisticClassifier
+from skafa.dummies import DummyStepClassifier
 from skafa.extraction import TurnActivationTransformer
 from skafa.metrics import (
     agent_accuracy,
@@ -47,6 +46,7 @@ from skafa.metrics import (
     within_k_accuracy,
 )
 from skafa.models import context_length, load_model
+from skafa.probes import GroupedArgmaxLogisticClassifier
 from skafa.prompt import PromptTemplate, plan
 from skafa.selection import SiteSelector
 from skafa.sites import all_sites

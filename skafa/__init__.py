@@ -30,21 +30,21 @@ _LAZY = {
     "ActivationCache": "cache",
     "all_sites": "sites",
     # estimators
-    "GroupedArgmaxClassifier": "estimators",
-    "GroupedArgmaxLogisticClassifier": "estimators",
-    "PerTurn": "estimators",
+    "GroupedArgmaxClassifier": "probes",
+    "GroupedArgmaxLogisticClassifier": "probes",
+    "PerTurn": "composition",
     "SiteSelector": "selection",
     "site_sweep": "selection",
-    # baselines
-    "TurnPositionTransformer": "baselines",
-    "TurnTextTransformer": "baselines",
-    "TurnFeatureUnion": "baselines",
-    "SiteConcatenator": "baselines",
-    "DummyStepClassifier": "baselines",
+    # featurizers, composition, dummies
+    "TurnPositionTransformer": "featurizers",
+    "TurnTextTransformer": "featurizers",
+    "TurnFeatureUnion": "composition",
+    "SiteConcatenator": "composition",
+    "DummyStepClassifier": "dummies",
     "PromptedJudge": "judge",
     # pipelines
-    "AttributionPipeline": "pipeline",
-    "make_attribution_pipeline": "pipeline",
+    "AttributionPipeline": "composition",
+    "make_attribution_pipeline": "composition",
     # facade and persistence
     "FailureAttributor": "attributor",
     "Attribution": "attributor",
@@ -53,9 +53,9 @@ _LAZY = {
 }
 
 _SUBMODULES = {
-    "attributor", "baselines", "cache", "datasets", "estimators", "extraction",
-    "features", "judge", "metrics", "models", "persistence", "pipeline", "prompt", "selection",
-    "sites", "testing",
+    "attributor", "baselines", "cache", "composition", "datasets", "dummies", "estimators",
+    "extraction", "features", "featurizers", "judge", "metrics", "models", "persistence",
+    "pipeline", "probes", "prompt", "selection", "sites", "testing", "utils",
 }
 
 __all__ = ["__version__", "Conversation", "ConversationError", "Turn", "TurnFeatures",

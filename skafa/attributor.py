@@ -29,9 +29,9 @@ from sklearn.base import BaseEstimator
 from sklearn.model_selection import GroupKFold
 from sklearn.utils.validation import check_is_fitted
 
+from .composition import AttributionPipeline, final_step_call, final_step_input
 from .conversation import Conversation
-from .estimators import GroupedArgmaxLogisticClassifier
-from .extraction import TurnActivationTransformer, _check_conversations
+from .extraction import TurnActivationTransformer
 from .metrics import (
     AGENT_RULES,
     BootstrapResult,
@@ -41,29 +41,11 @@ from .metrics import (
     step_accuracy,
     within_k_accuracy,
 )
-from .pipeline import AttributionPipeline, final_step_call
+from .probes import GroupedArgmaxLogisticClassifier
 from .selection import SiteSelector
+from .utils._validation import check_conversations, labels_from_conversations
 
 __all__ = ["FailureAttributor", "Attribution", "TurnRank", "AttributionReport"]
-
-
-# ---------------------------------------------------------------------------
-# Pipeline delegation
-# ---------------------------------------------------------------------------
-
-
-def _final_step(pipeline, X):
-    """Transform ``X`` through every step but the last; return (last step, Xt).
-
-    :class:`sklearn.pipeline.Pipeline` delegates only the methods it knows
-    (``predict``, ``score``, ...). skafa's conversation-level estimators add
-    ``predict_agent``, ``turn_decision_function`` and ``turn_predict_proba``;
-    this runs the transformers and hands their output to the final step.
-    """
-    check_is_fitted(pipeline)
-    if len(pipeline) > 1:
-        X = pipeline[:-1].transform(X)
-    return pipeline[-1], X
 
 
 # ---------------------------------------------------------------------------
@@ -271,29 +253,6 @@ class AttributionReport:
 # ---------------------------------------------------------------------------
 
 
-def _describe(i, conv):
-    ids = []
-    if conv.task_id is not None:
-        ids.append(f"task_id {conv.task_id!r}")
-    if conv.record_id is not None:
-        ids.append(f"record_id {conv.record_id!r}")
-    return f"conversation {i}" + (f" ({', '.join(ids)})" if ids else "")
-
-
-def _labels_from(convs, caller):
-    """Each conversation's ``mistake_step``; a clear error listing unlabelled ones."""
-    missing = [i for i, c in enumerate(convs) if c.mistake_step is None]
-    if missing:
-        listed = "; ".join(_describe(i, convs[i]) for i in missing[:5])
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise ValueError(
-            f"{caller}: y was not given and {len(missing)} of {len(convs)} conversations "
-            f"carry no mistake_step label: {listed}{more}. Pass y=<decisive step of each "
-            "conversation>, or label the conversations (Conversation(..., mistake_step=...))."
-        )
-    return np.asarray([c.mistake_step for c in convs], dtype=np.int64)
-
-
 def _groups_from(convs):
     """Task ids when every conversation has one, else None."""
     ids = [c.task_id for c in convs]
@@ -325,7 +284,7 @@ class FailureAttributor(BaseEstimator):
     averaged over the turn (:class:`~skafa.extraction.TurnActivationTransformer`),
     and fits a
     standardized logistic-regression probe
-    (:class:`~skafa.estimators.GroupedArgmaxLogisticClassifier`) at the
+    (:class:`~skafa.probes.GroupedArgmaxLogisticClassifier`) at the
     activation site chosen by grouped cross-validation on the training data
     (:class:`~skafa.selection.SiteSelector`). Internally it is exactly::
 
@@ -394,7 +353,7 @@ class FailureAttributor(BaseEstimator):
     See Also
     --------
     skafa.extraction.TurnActivationTransformer, skafa.selection.SiteSelector,
-    skafa.estimators.GroupedArgmaxLogisticClassifier : The pieces.
+    skafa.probes.GroupedArgmaxLogisticClassifier : The pieces.
 
     Notes
     -----
@@ -494,9 +453,9 @@ class FailureAttributor(BaseEstimator):
         self : FailureAttributor
             Fitted attributor.
         """
-        convs = _check_conversations(X)
+        convs = check_conversations(X, "FailureAttributor")
         if y is None:
-            y = _labels_from(convs, "FailureAttributor.fit")
+            y = labels_from_conversations(convs, "FailureAttributor.fit")
         if groups is None:
             groups = _groups_from(convs)
         pipeline = self._make_pipeline()
@@ -515,7 +474,7 @@ class FailureAttributor(BaseEstimator):
     # ---------------------------------------------------------------- predict
     def _convs(self, X):
         check_is_fitted(self)
-        return _check_conversations(X)
+        return check_conversations(X, "FailureAttributor")
 
     def predict(self, X):
         """Decisive step of every conversation.
@@ -589,7 +548,7 @@ class FailureAttributor(BaseEstimator):
         """
         convs = self._convs(X)
         if y is None:
-            y = _labels_from(convs, "FailureAttributor.score")
+            y = labels_from_conversations(convs, "FailureAttributor.score")
         return float(self.pipeline_.score(convs, y))
 
     # --------------------------------------------------------------- evaluate
@@ -624,8 +583,8 @@ class FailureAttributor(BaseEstimator):
         convs = self._convs(X)
         defaulted = y is None
         if defaulted:
-            y = _labels_from(convs, "FailureAttributor.evaluate")
-        final, Xt = _final_step(self.pipeline_, convs)
+            y = labels_from_conversations(convs, "FailureAttributor.evaluate")
+        final, Xt = final_step_input(self.pipeline_, convs)
         y = np.asarray(y)
         steps = np.asarray(final.predict(Xt), dtype=np.int64)
         if y.shape != steps.shape:
@@ -682,7 +641,7 @@ class FailureAttributor(BaseEstimator):
             )
         if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
             raise ValueError(f"top_k must be a positive int, got {top_k!r}.")
-        final, Xt = _final_step(self.pipeline_, [conversation])
+        final, Xt = final_step_input(self.pipeline_, [conversation])
         scores = np.asarray(final.turn_decision_function(Xt)[0], dtype=np.float64)
         proba = np.asarray(final.turn_predict_proba(Xt)[0], dtype=np.float64)
         step = int(final.predict(Xt)[0])

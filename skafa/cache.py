@@ -35,7 +35,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import threading
 import warnings
 import zlib
@@ -44,6 +43,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .sites import site_depth
+from .utils._io import write_safetensors
 
 __all__ = [
     "ActivationCache",
@@ -413,8 +413,6 @@ def _crc(values):
 
 
 def _write_entry(path, key, sites, values):
-    from safetensors.numpy import save
-
     values = np.ascontiguousarray(values, dtype=np.float32)
     metadata = {
         "format": _FORMAT,
@@ -423,30 +421,7 @@ def _write_entry(path, key, sites, values):
         "shape": json.dumps(list(values.shape)),
         "crc32": _crc(values),
     }
-    blob = save({_TENSOR: values}, metadata=metadata)
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".safetensors")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:  # make the rename durable; best effort (not possible on every platform)
-        dfd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
+    write_safetensors(path, {_TENSOR: values}, metadata)
 
 
 def _read_entry(path, key, *, n_turns, hidden_size):

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 import numpy as np
 import scipy.sparse as sp
 
+from .utils._validation import describe
+
 __all__ = ["TurnFeatures"]
 
 _FORMAT = "skafa.TurnFeatures/1"
@@ -302,15 +304,10 @@ class TurnFeatures:
         if bad.size:
             i = int(bad[0])
             raise ValueError(
-                f"step {int(steps[i])} is outside conversation {i}"
-                f"{self._task_label(i)}, which has {int(self.n_turns[i])} turns."
+                f"step {int(steps[i])} is outside {describe(self, i)}, which has "
+                f"{int(self.n_turns[i])} turns."
             )
         return self.offsets[:-1] + steps.astype(np.int64)
-
-    def _task_label(self, i) -> str:
-        if self.task_ids is None or self.task_ids[i] is None:
-            return ""
-        return f" (task_id {self.task_ids[i]!r})"
 
     def speakers_at(self, steps) -> np.ndarray:
         """Speaker of turn ``steps[i]`` in conversation ``i``.
@@ -614,10 +611,10 @@ class TurnFeatures:
         ----------
         path : str or path-like
         """
-        from safetensors.numpy import save_file
+        from .utils._io import write_safetensors
 
         tensors, meta = self._tensors_and_metadata()
-        save_file(tensors, str(path), metadata=meta)
+        write_safetensors(path, tensors, meta)
 
     @classmethod
     def load(cls, path) -> TurnFeatures:

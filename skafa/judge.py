@@ -30,14 +30,18 @@ import numbers
 import os
 import re
 import time
-from collections.abc import Sequence
 
 import numpy as np
 from sklearn.base import BaseEstimator
 from sklearn.utils import Bunch
 from sklearn.utils.validation import check_is_fitted
 
-from .conversation import Conversation
+from .utils._validation import (
+    check_conversations,
+    check_steps,
+    describe_conversation,
+    labels_from_conversations,
+)
 
 __all__ = ["PromptedJudge"]
 
@@ -47,55 +51,11 @@ _ASCII_DIGITS = frozenset("0123456789")
 
 
 # ----------------------------------------------------------------------------- helpers
-def _check_conversations(X, *, caller="PromptedJudge"):
-    """Return ``X`` as a list of Conversation, or raise naming the bad element."""
-    if isinstance(X, Conversation):
-        raise TypeError(
-            f"{caller} expects a sequence of Conversation objects, got a single "
-            "Conversation; wrap it in a list."
-        )
-    if isinstance(X, (str, bytes)) or not (
-        isinstance(X, Sequence) or (isinstance(X, np.ndarray) and X.ndim == 1)
-    ):
-        raise TypeError(
-            f"{caller} expects a sequence (list) of Conversation objects, got "
-            f"{type(X).__name__}."
-        )
-    convs = list(X)
-    if not convs:
-        raise ValueError(f"{caller} got an empty list of conversations.")
-    for i, conv in enumerate(convs):
-        if not isinstance(conv, Conversation):
-            raise TypeError(
-                f"{caller}: element {i} of X is a {type(conv).__name__}, not a "
-                "Conversation (the judge reads text, not TurnFeatures)."
-            )
-    return convs
-
-
-def _describe(index, conv):
-    parts = [f"conversation {index}"]
-    if conv.record_id is not None:
-        parts.append(f"record_id={conv.record_id!r}")
-    if conv.task_id is not None:
-        parts.append(f"task_id={conv.task_id!r}")
-    return " ".join(parts[:1]) + (f" ({', '.join(parts[1:])})" if len(parts) > 1 else "")
-
-
 def _check_steps(y, convs):
     """Validate step labels against the conversations; None -> their mistake_step."""
     if y is None:
-        missing = [i for i, c in enumerate(convs) if c.mistake_step is None]
-        if missing:
-            i = missing[0]
-            raise ValueError(
-                f"y is None and {_describe(i, convs[i])} has no mistake_step; pass y."
-            )
-        return np.array([c.mistake_step for c in convs], dtype=np.int64)
-    from .estimators import _validate_steps
-
-    return _validate_steps(y, np.array([len(c) for c in convs], dtype=np.int64),
-                           lambda i: _describe(i, convs[i]))
+        return labels_from_conversations(convs, "PromptedJudge")
+    return check_steps(y, convs)
 
 
 def _softmax(scores):
@@ -595,7 +555,7 @@ class PromptedJudge(BaseEstimator):
             The fitted judge.
         """
         self._validate_params()
-        convs = _check_conversations(X)
+        convs = check_conversations(X, "PromptedJudge")
         if y is not None:
             _check_steps(y, convs)
         self.prompt_ = self._resolve_prompt()
@@ -619,7 +579,7 @@ class PromptedJudge(BaseEstimator):
         if enc.n_tokens + extra_tokens > self.context_length_:
             budget = self.context_length_ - extra_tokens
             raise PromptTooLongError(
-                f"{_describe(index, conv)} has {enc.n_tokens} prompt tokens; with the "
+                f"{describe_conversation(index, task_id=conv.task_id, record_id=conv.record_id)} has {enc.n_tokens} prompt tokens; with the "
                 f"judge's {extra_tokens} answer tokens ({what}) that is more than the "
                 f"model's context length of {self.context_length_}. Shorten it with "
                 f"PromptTemplate(shorten='middle_first', max_prompt_tokens={budget}) or "
@@ -704,7 +664,7 @@ class PromptedJudge(BaseEstimator):
             ``parse_failure_rate`` (float).
         """
         check_is_fitted(self)
-        convs = _check_conversations(X)
+        convs = check_conversations(X, "PromptedJudge")
         lm, tokenizer = self._load_checked()
         prefix_ids = list(tokenizer(self.answer_prefix, add_special_tokens=False)["input_ids"])
         extra = len(prefix_ids) + int(self.max_new_tokens)
@@ -757,7 +717,7 @@ class PromptedJudge(BaseEstimator):
             ``"generate"`` mode, 1.0 at the predicted step and 0.0 elsewhere.
         """
         check_is_fitted(self)
-        convs = _check_conversations(X)
+        convs = check_conversations(X, "PromptedJudge")
         if self.mode == "logprob":
             return self._logprob_scores(convs)
         preds = self.generate_report(convs).predictions
@@ -802,7 +762,7 @@ class PromptedJudge(BaseEstimator):
             ``"generate"``: the parsed step, or 0 on a parse failure.
         """
         check_is_fitted(self)
-        convs = _check_conversations(X)
+        convs = check_conversations(X, "PromptedJudge")
         if self.mode == "generate":
             return self.generate_report(convs).predictions
         return np.array([int(np.argmax(s)) for s in self._logprob_scores(convs)],
@@ -819,7 +779,7 @@ class PromptedJudge(BaseEstimator):
         -------
         agents : ndarray of object, shape (n_conversations,)
         """
-        convs = _check_conversations(X)
+        convs = check_conversations(X, "PromptedJudge")
         steps = self.predict(convs)
         return np.array([c.turns[s].speaker for c, s in zip(convs, steps)], dtype=object)
 
@@ -836,6 +796,6 @@ class PromptedJudge(BaseEstimator):
         -------
         score : float
         """
-        convs = _check_conversations(X)
+        convs = check_conversations(X, "PromptedJudge")
         y = _check_steps(y, convs)
         return float(np.mean(self.predict(convs) == y))

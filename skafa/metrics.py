@@ -26,6 +26,8 @@ from typing import NamedTuple
 import numpy as np
 from sklearn.utils import check_random_state
 
+from .utils._validation import check_steps
+
 __all__ = [
     "BootstrapResult",
     "SCORERS",
@@ -51,44 +53,6 @@ AGENT_RULES = ("exact", "normalized", "substring")
 
 
 # ------------------------------------------------------------------ validation
-def _check_steps(y, name):
-    """Return ``y`` as a 1-D int64 array of non-negative steps, or raise."""
-    if isinstance(y, (str, bytes)):
-        raise TypeError(f"{name} must be a 1-D sequence of int steps, got a string.")
-    try:
-        arr = np.asarray(y)
-    except ValueError as exc:  # ragged nesting
-        raise ValueError(f"{name} must be a 1-D sequence of int steps ({exc}).") from exc
-    if arr.ndim != 1:
-        raise ValueError(
-            f"{name} must be 1-D (one step per conversation), got shape {arr.shape}."
-        )
-    if arr.dtype.kind == "b":
-        raise TypeError(f"{name} must hold int steps, got booleans.")
-    if arr.dtype.kind == "O":
-        for i, v in enumerate(arr):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-                raise TypeError(
-                    f"{name}[{i}]={v!r} is not an int step (one int per conversation)."
-                )
-        arr = arr.astype(np.int64)
-    elif arr.dtype.kind == "f":
-        bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))
-        if bad.size:
-            i = int(bad[0])
-            raise TypeError(f"{name}[{i}]={arr[i].item()!r} is not an integer step.")
-        arr = arr.astype(np.int64)
-    elif arr.dtype.kind in "iu":
-        arr = arr.astype(np.int64)
-    elif arr.size:
-        raise TypeError(f"{name} must hold int steps, got dtype {arr.dtype}.")
-    neg = np.flatnonzero(arr < 0)
-    if neg.size:
-        i = int(neg[0])
-        raise ValueError(f"{name}[{i}]={arr[i]} is negative; steps are 0-based turn indices.")
-    return arr
-
-
 def _check_lengths(y_true, *others, names=("y_true", "y_pred")):
     n = len(y_true)
     if n == 0:
@@ -101,8 +65,8 @@ def _check_lengths(y_true, *others, names=("y_true", "y_pred")):
 
 
 def _check_pair(y_true, y_pred):
-    t = _check_steps(y_true, "y_true")
-    p = _check_steps(y_pred, "y_pred")
+    t = check_steps(y_true, name="y_true")
+    p = check_steps(y_pred, name="y_pred")
     _check_lengths(t, p)
     return t, p
 
@@ -263,7 +227,7 @@ def top_k_step_accuracy(y_true, turn_scores, k=3):
     0.5
     """
     k = _check_k(k, minimum=1)
-    t = _check_steps(y_true, "y_true")
+    t = check_steps(y_true, name="y_true")
     _check_lengths(t)
     scores = _check_turn_scores(turn_scores, t.size)
     return float(np.mean(_top_k_hits(t, scores, k)))
@@ -668,7 +632,7 @@ def paired_bootstrap_ci(y_true, y_pred_a, y_pred_b, metric=step_accuracy, *, n_r
 # ------------------------------------------------------------------ scorers
 def _true_speakers(X, y):
     """Speaker of the true decisive turn of every conversation of ``X``."""
-    steps = _check_steps(y, "y")
+    steps = check_steps(y, name="y")
     if hasattr(X, "speakers_at"):
         if getattr(X, "speakers", None) is None:
             raise ValueError(

@@ -66,7 +66,7 @@ Examples
 >>> import os, tempfile
 >>> import numpy as np
 >>> from skafa import TurnFeatures
->>> from skafa.estimators import GroupedArgmaxLogisticClassifier
+>>> from skafa.probes import GroupedArgmaxLogisticClassifier
 >>> from skafa.persistence import save, load
 >>> rng = np.random.default_rng(0)
 >>> X = TurnFeatures(rng.normal(size=(40, 3)), np.arange(0, 41, 4))
@@ -90,13 +90,13 @@ import importlib
 import inspect
 import json
 import math
-import os
-import tempfile
 import warnings
 from pathlib import Path, PurePath
 
 import numpy as np
 import scipy.sparse as sp
+
+from .utils._io import atomic_write_bytes
 
 __all__ = [
     "save",
@@ -142,20 +142,20 @@ class PersistenceVersionWarning(UserWarning):
 _DEFAULT_CLASSES = (
     # skafa
     "skafa.extraction.TurnActivationTransformer",
-    "skafa.baselines.TurnPositionTransformer",
-    "skafa.baselines.TurnTextTransformer",
-    "skafa.baselines.TurnFeatureUnion",
-    "skafa.baselines.SiteConcatenator",
-    "skafa.baselines.DummyStepClassifier",
-    "skafa.estimators.PerTurn",
-    "skafa.estimators.GroupedArgmaxClassifier",
-    "skafa.estimators.GroupedArgmaxLogisticClassifier",
+    "skafa.featurizers.TurnPositionTransformer",
+    "skafa.featurizers.TurnTextTransformer",
+    "skafa.composition.TurnFeatureUnion",
+    "skafa.composition.SiteConcatenator",
+    "skafa.dummies.DummyStepClassifier",
+    "skafa.composition.PerTurn",
+    "skafa.probes.GroupedArgmaxClassifier",
+    "skafa.probes.GroupedArgmaxLogisticClassifier",
     "skafa.selection.SiteSelector",
     "skafa.judge.PromptedJudge",
     "skafa.attributor.FailureAttributor",
     # scikit-learn estimators
     "sklearn.pipeline.Pipeline",
-    "skafa.pipeline.AttributionPipeline",
+    "skafa.composition.AttributionPipeline",
     "sklearn.linear_model.LogisticRegression",
     "sklearn.svm.LinearSVC",
     "sklearn.preprocessing.StandardScaler",
@@ -304,7 +304,7 @@ def _after_load_extraction(est, ctx, path):
 
 _AFTER_LOAD = {
     "sklearn.pipeline.Pipeline": _after_load_pipeline,
-    "skafa.pipeline.AttributionPipeline": _after_load_pipeline,
+    "skafa.composition.AttributionPipeline": _after_load_pipeline,
     "skafa.selection.SiteSelector": _after_load_site_selector,
     "skafa.extraction.TurnActivationTransformer": _after_load_extraction,
     "skafa.judge.PromptedJudge": _after_load_extraction,
@@ -558,20 +558,6 @@ def _sha256(data):
     return hashlib.sha256(data).hexdigest()
 
 
-def _atomic_write(path, data):
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def save(estimator, path, *, overwrite=False):
     """Save an estimator to a directory, as JSON plus safetensors (no pickle).
 
@@ -641,8 +627,8 @@ def save(estimator, path, *, overwrite=False):
     }
     text = json.dumps(document, indent=1, ensure_ascii=False, allow_nan=False)
     path.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path / ARRAYS_NAME, arrays_blob)
-    _atomic_write(json_path, text.encode("utf-8"))
+    atomic_write_bytes(path / ARRAYS_NAME, arrays_blob)
+    atomic_write_bytes(json_path, text.encode("utf-8"))
     return path
 
 

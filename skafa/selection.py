@@ -15,24 +15,29 @@ from numbers import Integral, Real
 
 import numpy as np
 from scipy.stats import rankdata
-from sklearn.base import BaseEstimator, MetaEstimatorMixin, _fit_context, clone
+from sklearn.base import BaseEstimator, MetaEstimatorMixin, clone
 from sklearn.exceptions import FitFailedWarning
 from sklearn.metrics import check_scoring, get_scorer_names
 from sklearn.model_selection import GroupKFold, check_cv
-from sklearn.utils import _safe_indexing, get_tags
-from sklearn.utils._param_validation import HasMethods, StrOptions
+from sklearn.utils import get_tags
 from sklearn.utils.metadata_routing import (
     MetadataRouter,
     MethodMapping,
-    _routing_enabled,
     process_routing,
 )
 from sklearn.utils.metaestimators import available_if
 from sklearn.utils.parallel import Parallel, delayed
 from sklearn.utils.validation import check_is_fitted
 
-from .estimators import _check_steps, _check_turn_features
 from .metrics import SCORERS
+from .utils._sklearn_compat import (
+    HasMethods,
+    StrOptions,
+    _fit_context,
+    _routing_enabled,
+    _safe_indexing,
+)
+from .utils._validation import check_steps, check_turn_features
 
 __all__ = ["SiteSelector", "site_sweep"]
 
@@ -40,7 +45,7 @@ __all__ = ["SiteSelector", "site_sweep"]
 def _ignores_groups(cv):
     """True for splitters that ignore ``groups`` (KFold, ShuffleSplit, ...)."""
     try:
-        from sklearn.model_selection._split import _UnsupportedGroupCVMixin
+        from .utils._sklearn_compat import _UnsupportedGroupCVMixin
     except ImportError:  # pragma: no cover - older/newer scikit-learn
         return False
     return isinstance(cv, _UnsupportedGroupCVMixin)
@@ -258,7 +263,7 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
     >>> import numpy as np
     >>> from sklearn.model_selection import GroupKFold
     >>> from skafa import TurnFeatures
-    >>> from skafa.estimators import GroupedArgmaxLogisticClassifier
+    >>> from skafa.probes import GroupedArgmaxLogisticClassifier
     >>> from skafa.selection import SiteSelector
     >>> rng = np.random.default_rng(0)
     >>> offsets = np.arange(0, 161, 4)                  # 40 conversations x 4 turns
@@ -338,8 +343,8 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
         self : object
             Fitted selector.
         """
-        X = _check_turn_features(X, self)
-        y = _check_steps(y, X)
+        X = check_turn_features(X, self)
+        y = check_steps(y, X)
         sites = _resolve_sites(self.sites, X)
         _check_no_fixed_site(self.estimator, type(self).__name__)
         cv = _check_site_cv(self.cv)
@@ -439,7 +444,7 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
             )
 
     def _at_best_site(self, X):
-        X = _check_turn_features(X, self)
+        X = check_turn_features(X, self)
         if self.best_site_ not in X.sites:
             raise ValueError(
                 f"SiteSelector chose site {self.best_site_!r}, which X does not hold "
@@ -602,7 +607,7 @@ def site_sweep(estimator, X_train, y_train, X_test, y_test, *, sites=None,
     --------
     >>> import numpy as np
     >>> from skafa import TurnFeatures
-    >>> from skafa.estimators import GroupedArgmaxLogisticClassifier
+    >>> from skafa.probes import GroupedArgmaxLogisticClassifier
     >>> from skafa.selection import site_sweep
     >>> rng = np.random.default_rng(0)
     >>> offsets = np.arange(0, 81, 4)
@@ -614,10 +619,10 @@ def site_sweep(estimator, X_train, y_train, X_test, y_test, *, sites=None,
     >>> res["site"].tolist(), bool(res["test_score"][1] > res["test_score"][0])
     (['a', 'b'], True)
     """
-    X_train = _check_turn_features(X_train, estimator)
-    X_test = _check_turn_features(X_test, estimator)
-    y_train = _check_steps(y_train, X_train)
-    y_test = _check_steps(y_test, X_test)
+    X_train = check_turn_features(X_train, estimator)
+    X_test = check_turn_features(X_test, estimator)
+    y_train = check_steps(y_train, X_train)
+    y_test = check_steps(y_test, X_test)
     sites = _resolve_sites(sites, X_train)
     missing = [s for s in sites if s not in X_test.sites]
     if missing:

@@ -11,12 +11,12 @@ from sklearn.exceptions import NotFittedError
 from sklearn.model_selection import GroupKFold, KFold, cross_val_predict
 from sklearn.pipeline import Pipeline
 
+from skafa import GroupedArgmaxLogisticClassifier
 from skafa.attributor import (
     Attribution,
     AttributionReport,
     FailureAttributor,
 )
-from skafa.estimators import GroupedArgmaxLogisticClassifier
 from skafa.extraction import TurnActivationTransformer
 from skafa.metrics import BootstrapResult
 from skafa.models import register_model, smollm2_available, unregister_model
@@ -112,9 +112,9 @@ def test_unlabelled_conversations_are_named(conversations):
     unlabelled = make_conversations(6, seed=1, labelled=False)
     with pytest.raises(ValueError, match=r"6 of 6 conversations carry no mistake_step") as info:
         FailureAttributor(MODEL, cv=GroupKFold(2)).fit(unlabelled)
-    assert "conversation 0 (task_id 'task-0', record_id 'synthetic/0')" in str(info.value)
+    assert "conversation 0 (task 'task-0', record 'synthetic/0')" in str(info.value)
     mixed = conversations[:8] + [unlabelled[3]]
-    with pytest.raises(ValueError, match=r"1 of 9 .*conversation 8 \(task_id 'task-1'"):
+    with pytest.raises(ValueError, match=r"1 of 9 .*conversation 8 \(task 'task-1'"):
         FailureAttributor(MODEL, cv=GroupKFold(2)).fit(mixed)
     # with explicit labels, unlabelled conversations are fine
     FailureAttributor(MODEL, cv=GroupKFold(2)).fit(unlabelled, [0] * 6)
@@ -151,7 +151,7 @@ def test_predict_family_is_consistent(fitted, conversations):
 
 
 def test_pipeline_delegates_skafa_methods(fitted, conversations):
-    from skafa.pipeline import AttributionPipeline, final_step_call
+    from skafa.composition import AttributionPipeline, final_step_call
 
     pipe = fitted.pipeline_
     assert isinstance(pipe, AttributionPipeline)

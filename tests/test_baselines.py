@@ -1,4 +1,4 @@
-"""Tests for skafa.baselines: position/text featurizers, TurnFeatureUnion, dummies."""
+"""Tests for skafa.featurizers, skafa.composition (TurnFeatureUnion, SiteConcatenator) and skafa.dummies."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from sklearn.base import BaseEstimator, TransformerMixin, clone
 from sklearn.feature_extraction.text import CountVectorizer
 from sklearn.model_selection import GroupKFold, cross_val_score
 
-from skafa.baselines import (
+from skafa import (
     DummyStepClassifier,
     SiteConcatenator,
     TurnFeatureUnion,
@@ -364,7 +364,7 @@ def test_dummy_uniform_reproducible_and_expected_accuracy():
 @pytest.mark.parametrize("params, y, match", [
     (dict(strategy="nope"), [0], "unknown strategy"),
     (dict(strategy="constant"), [0], "needs an int constant"),
-    (dict(), [3], r"y\[0\]=3 is outside conversation 0 \(task_id 't0'\)"),
+    (dict(), [3], r"y\[0\]=3 is outside conversation 0 \(task 't0'\)"),
     (dict(), [0, 1], "1 conversations"),
     (dict(), [0.5], "not an integer"),
     (dict(), None, "required"),
@@ -386,10 +386,9 @@ def test_dummy_in_grouped_cross_validation():
 
 # -------------------------------------------------- probe vs dummy on synthetic data
 def test_logistic_probe_on_position_beats_first_dummy():
-    estimators = pytest.importorskip(
-        "skafa.estimators", reason="skafa.estimators (GroupedArgmaxLogisticClassifier) "
-        "not written yet")
     from sklearn.pipeline import Pipeline
+
+    from skafa import probes as estimators
 
     train, y_train = synthetic(40, seed=0)
     test, y_test = synthetic(30, seed=1)

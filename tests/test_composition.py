@@ -31,11 +31,11 @@ from sklearn.utils import estimator_html_repr
 from sklearn.utils.estimator_checks import parametrize_with_checks
 from sklearn.utils.validation import check_is_fitted
 
-from skafa import TurnFeatures
-from skafa.estimators import (
+from skafa import (
     GroupedArgmaxClassifier,
     GroupedArgmaxLogisticClassifier,
     PerTurn,
+    TurnFeatures,
 )
 from skafa.selection import SiteSelector
 

@@ -67,7 +67,7 @@ def test_load_all_shared_records(who_and_when_dir):
     n = len(ag_files) + len(hc_files)
     if who_and_when_dir.resolve() == (Path(__file__).resolve().parents[2] / "shared" / "data"
                                       / "who_and_when"):
-        assert (len(ag_files), len(hc_files)) == (100, 10)  # the workplace's subset
+        assert (len(ag_files), len(hc_files)) == (100, 30)  # the workplace's subset
     assert len(data.conversations) == n == len(data.mistake_steps) == len(data.record_ids)
     assert data.skipped == []
     assert data.subsets.tolist() == [AG] * len(ag_files) + [HC] * len(hc_files)

@@ -1,4 +1,4 @@
-"""Tests for skafa.estimators: grouped-argmax probes and PerTurn."""
+"""Tests for skafa.probes (grouped-argmax probes) and skafa.composition.PerTurn."""
 
 import warnings
 
@@ -14,11 +14,11 @@ from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import StandardScaler
 from sklearn.svm import LinearSVC
 
-from skafa import TurnFeatures
-from skafa.estimators import (
+from skafa import (
     GroupedArgmaxClassifier,
     GroupedArgmaxLogisticClassifier,
     PerTurn,
+    TurnFeatures,
 )
 
 
@@ -207,7 +207,7 @@ def test_non_finite_turn_score_raises():
     X = TurnFeatures(np.zeros((5, 2)), [0, 2, 5], task_ids=["a", "b"])
     scores = [0.0, 1.0, 0.5, np.nan, 0.2]
     probe = GroupedArgmaxClassifier(_ConstantScorer(scores)).fit(X, [0, 1])
-    msg = r"non-finite score .*conversation 1 \(task_id 'b'\), turn 1"
+    msg = r"non-finite score .*conversation 1 \(task 'b'\), turn 1"
     with pytest.raises(ValueError, match=msg):
         probe.predict(X)
     with pytest.raises(ValueError, match=msg):
@@ -216,7 +216,7 @@ def test_non_finite_turn_score_raises():
 
 def test_vectorised_argmax_matches_loop():
     rng = np.random.default_rng(3)
-    from skafa.estimators import _grouped_argmax
+    from skafa.utils._grouped import grouped_argmax as _grouped_argmax
 
     n_turns = rng.integers(1, 9, size=500)
     offsets = np.concatenate([[0], np.cumsum(n_turns)])
@@ -297,13 +297,13 @@ def test_y_errors():
     probe = GroupedArgmaxLogisticClassifier()
     with pytest.raises(ValueError, match="3 entries but X holds 2"):
         probe.fit(X, [0, 1, 2])
-    with pytest.raises(ValueError, match=r"outside conversation 1 \(task_id 'b'\)"):
+    with pytest.raises(ValueError, match=r"outside conversation 1 \(task 'b'\)"):
         probe.fit(X, [0, 4])
-    with pytest.raises(ValueError, match=r"outside conversation 0 \(task_id 'a'\)"):
+    with pytest.raises(ValueError, match=r"negative.*conversation 0 \(task 'a'\)"):
         probe.fit(X, [-1, 0])
-    with pytest.raises(ValueError, match=r"y\[1\] = 1.5 is not an integer.*task_id 'b'"):
+    with pytest.raises(ValueError, match=r"y\[1\]=1.5 is not an integer.*task 'b'"):
         probe.fit(X, [0.0, 1.5])
-    with pytest.raises(ValueError, match=r"y\[0\] = nan"):
+    with pytest.raises(ValueError, match=r"y\[0\]=nan"):
         probe.fit(X, [np.nan, 1.0])
     with pytest.raises(ValueError, match="integer turn indices"):
         probe.fit(X, ["a", "b"])
@@ -354,7 +354,7 @@ def test_non_finite_features_fit_and_predict(bad):
     row = X.offsets[3] + 1
     values[row, 5] = bad
     X_bad = TurnFeatures(values, X.offsets, task_ids=X.task_ids)
-    msg = (r"non-finite feature.*conversation 3 \(task_id 'task1'\), turn 1, "
+    msg = (r"non-finite feature.*conversation 3 \(task 'task1'\), turn 1, "
            r"site 'features', feature 5")
     with pytest.raises(ValueError, match=msg):
         GroupedArgmaxLogisticClassifier().fit(X_bad, y)

@@ -212,7 +212,7 @@ def test_global_turn_index_and_speakers_at():
     idx = X.global_turn_index(steps)
     assert idx.tolist() == [2, 3, 7, 9, 14]
     assert X.speakers_at(steps).tolist() == ["agent2", "agent3", "agent7", "agent9", "agent14"]
-    with pytest.raises(ValueError, match=r"step 1 is outside conversation 1 \(task_id 'task1'\)"):
+    with pytest.raises(ValueError, match=r"step 1 is outside conversation 1 \(task 'task1'\)"):
         X.global_turn_index([0, 1, 0, 0, 0])
     with pytest.raises(ValueError, match="one step per conversation"):
         X.global_turn_index([0, 0])

@@ -271,7 +271,7 @@ def test_validation_errors(tiny, convs):
         PromptedJudge(LLAMA, max_new_tokens=0).fit(convs)
     with pytest.raises(TypeError, match="register"):
         PromptedJudge(tiny[LLAMA]).fit(convs)
-    with pytest.raises(TypeError, match="element 1"):
+    with pytest.raises(TypeError, match="conversation 1 is a str"):
         PromptedJudge(LLAMA).fit([convs[0], "text"])
     with pytest.raises(TypeError, match="single Conversation"):
         PromptedJudge(LLAMA).fit(convs[0])

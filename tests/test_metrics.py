@@ -67,14 +67,14 @@ def test_step_metrics_accept_integral_floats_and_numpy_types():
     [
         ([0, 1], [0], ValueError, "different lengths \\(2 vs 1\\)"),
         ([], [], ValueError, "y_true is empty"),
-        ([0.5], [0], TypeError, "y_true\\[0\\]=0.5 is not an integer"),
-        ([0], [np.nan], TypeError, "y_pred\\[0\\]=nan"),
-        ([True], [1], TypeError, "booleans"),
-        (["1"], [1], TypeError, "dtype <U1"),
-        (np.array([1, None], dtype=object), [1, 1], TypeError, "y_true\\[1\\]=None"),
+        ([0.5], [0], ValueError, "y_true\\[0\\]=0.5 is not an integer"),
+        ([0], [np.nan], ValueError, "y_pred\\[0\\]=nan"),
+        ([True], [1], ValueError, "booleans"),
+        (["1"], [1], ValueError, "dtype <U1"),
+        (np.array([1, None], dtype=object), [1, 1], ValueError, "y_true\\[1\\]=None"),
         ([0, -1], [0, 0], ValueError, "y_true\\[1\\]=-1 is negative"),
         ([[0, 1]], [[0, 1]], ValueError, "must be 1-D"),
-        ("01", [0, 1], TypeError, "got a string"),
+        ("01", [0, 1], ValueError, "got a string"),
     ],
 )
 @pytest.mark.parametrize("metric", [step_accuracy, within_k_accuracy, mean_absolute_step_shift])

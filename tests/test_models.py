@@ -12,7 +12,6 @@ import pytest
 
 from skafa import models
 from skafa.models import (
-    ModelHandle,
     clear_model_cache,
     context_length,
     load_model,
@@ -25,7 +24,11 @@ from skafa.models import (
     smollm2_path,
     unregister_model,
 )
-from skafa.testing import make_conversations, make_tiny_llama, make_tiny_qwen2, make_tiny_tokenizer
+from skafa.testing import (
+    make_tiny_llama,
+    make_tiny_qwen2,
+    make_tiny_tokenizer,
+)
 
 
 @pytest.fixture()

@@ -19,16 +19,18 @@ from sklearn.preprocessing import StandardScaler
 from sklearn.svm import LinearSVC
 from sklearn.utils import Bunch
 
-from skafa import TurnFeatures
-from skafa import persistence
-from skafa.baselines import (
+from skafa import (
     DummyStepClassifier,
+    GroupedArgmaxClassifier,
+    GroupedArgmaxLogisticClassifier,
+    PerTurn,
     SiteConcatenator,
+    TurnFeatures,
     TurnFeatureUnion,
     TurnPositionTransformer,
     TurnTextTransformer,
+    persistence,
 )
-from skafa.estimators import GroupedArgmaxClassifier, GroupedArgmaxLogisticClassifier, PerTurn
 from skafa.extraction import TurnActivationTransformer
 from skafa.models import register_model, unregister_model
 from skafa.persistence import (

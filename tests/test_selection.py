@@ -7,8 +7,7 @@ from sklearn.exceptions import FitFailedWarning, NotFittedError
 from sklearn.metrics import make_scorer
 from sklearn.model_selection import GridSearchCV, GroupKFold, KFold, cross_validate
 
-from skafa import TurnFeatures
-from skafa.estimators import GroupedArgmaxClassifier, GroupedArgmaxLogisticClassifier
+from skafa import GroupedArgmaxClassifier, GroupedArgmaxLogisticClassifier, TurnFeatures
 from skafa.selection import SiteSelector, site_sweep
 
 SITES = ("s0", "s1", "s2", "s3", "s4")

@@ -4,7 +4,13 @@ import numpy as np
 import pytest
 import torch
 
-from skafa.sites import all_sites, decoder_layout, parse_site, site_depth, validate_sites
+from skafa.sites import (
+    all_sites,
+    decoder_layout,
+    parse_site,
+    site_depth,
+    validate_sites,
+)
 from skafa.testing import make_tiny_gemma, make_tiny_llama, make_tiny_qwen2
 
 

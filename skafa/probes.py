@@ -1,0 +1,549 @@
+"""Probe estimators over ragged per-turn features.
+
+One sample is one conversation: ``X`` is a :class:`~skafa.TurnFeatures` (one entry
+per conversation, several turn rows each) and ``y[i]`` is the index of the decisive
+turn of conversation ``i``. The estimators here turn that ranking problem into a
+binary problem on turn rows (label 1 at the decisive turn, 0 elsewhere), fit any
+scikit-learn binary classifier on the rows, and predict, per conversation, the turn
+with the highest score.
+
+- :class:`GroupedArgmaxClassifier` wraps any binary estimator.
+- :class:`GroupedArgmaxLogisticClassifier` is the standardized logistic-regression
+  probe (the default model of the package).
+
+These are deliberately *not* scikit-learn classifiers: there is no fixed label set
+(the label is a position inside each conversation), so they define no ``classes_``,
+no ``decision_function``/``predict_proba`` with ``n_samples`` rows, and their
+``estimator_type`` tag is ``None``. With an int ``cv`` scikit-learn therefore uses
+``KFold``, not ``StratifiedKFold`` on step indices; pass a ``GroupKFold`` with task-id
+``groups`` for honest estimates.
+"""
+
+# Authors: The skafa developers
+# SPDX-License-Identifier: MIT
+
+from numbers import Integral, Real
+
+import numpy as np
+import scipy.sparse as sp
+from sklearn.base import BaseEstimator, MetaEstimatorMixin, clone
+from sklearn.linear_model import LogisticRegression
+from sklearn.pipeline import Pipeline
+from sklearn.preprocessing import StandardScaler
+from sklearn.utils import get_tags, metadata_routing
+from sklearn.utils.validation import check_is_fitted
+
+from .metrics import step_accuracy
+from .utils._grouped import grouped_argmax, grouped_normalise, grouped_softmax
+from .utils._sklearn_compat import (
+    HasMethods,
+    Interval,
+    StrOptions,
+    _check_sample_weight,
+    _fit_context,
+)
+from .utils._validation import (
+    check_finite_rows,
+    check_steps,
+    check_turn_features,
+    describe,
+    locate_row,
+)
+
+__all__ = [
+    "GroupedArgmaxClassifier",
+    "GroupedArgmaxLogisticClassifier",
+]
+
+
+# ---------------------------------------------------------------------------
+# Grouped argmax probes
+# ---------------------------------------------------------------------------
+
+
+class _BaseGroupedArgmax(BaseEstimator):
+    """Shared logic: flatten turns, fit a binary model, argmax per conversation.
+
+    Subclasses provide ``_make_turn_estimator(M)`` returning an unfitted binary
+    estimator for the 2-D turn matrix ``M``, and may extend ``_after_fit``.
+    """
+
+    # ``groups`` is in the signature of ``fit`` for API uniformity only; marking it
+    # UNUSED keeps metadata routing from complaining that it was never requested.
+    __metadata_request__fit = {"groups": metadata_routing.UNUSED}
+
+    _parameter_constraints: dict = {"site": [str, Integral, None]}
+
+    def _make_turn_estimator(self, M):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _after_fit(self, M):
+        """Hook for subclasses to expose fitted attributes of ``estimator_``."""
+
+    # ------------------------------------------------------------------ helpers
+    def _site_for_fit(self, X):
+        if self.site is None:
+            if X.n_sites != 1:
+                raise ValueError(
+                    f"X holds {X.n_sites} sites ({', '.join(X.sites[:4])}"
+                    f"{', ...' if X.n_sites > 4 else ''}) and {type(self).__name__}"
+                    "(site=None) does not know which one to read. Select a site with "
+                    "X.select_sites(name), set site=..., or let skafa.SiteSelector "
+                    "choose by cross-validation."
+                )
+            return X.sites[0]
+        if isinstance(self.site, Integral):
+            try:
+                return X.sites[int(self.site)]
+            except IndexError:
+                raise ValueError(
+                    f"site={self.site} is out of range; X holds {X.n_sites} sites."
+                ) from None
+        if self.site not in X.sites:
+            raise ValueError(
+                f"site={self.site!r} is not in X; available sites: {list(X.sites)}."
+            )
+        return self.site
+
+    def _turn_matrix(self, X, *, fitting):
+        X = check_turn_features(X, self)
+        if fitting:
+            site = self._site_for_fit(X)
+        else:
+            site = self.site_
+            if site not in X.sites:
+                raise ValueError(
+                    f"{type(self).__name__} was fitted on site {site!r}, which X does "
+                    f"not hold (X has {list(X.sites)}). Predict on features from the "
+                    "same site."
+                )
+        M = X.turn_matrix(site)
+        if not fitting and M.shape[1] != self.n_features_in_:
+            raise ValueError(
+                f"X has {M.shape[1]} features per turn at site {site!r}, but "
+                f"{type(self).__name__} was fitted with {self.n_features_in_}."
+            )
+        check_finite_rows(X, M, site)
+        return X, site, M
+
+    def _raw_turn_scores(self, M):
+        if self.response_method_ == "decision_function":
+            scores = np.asarray(self.estimator_.decision_function(M), dtype=np.float64)
+        else:
+            proba = np.asarray(self.estimator_.predict_proba(M), dtype=np.float64)
+            col = int(np.flatnonzero(np.asarray(self.estimator_.classes_) == 1)[0])
+            scores = proba[:, col]
+        if scores.ndim != 1 or scores.shape[0] != M.shape[0]:
+            raise ValueError(
+                f"the turn estimator returned scores of shape {scores.shape} for "
+                f"{M.shape[0]} turn rows; expected one score per turn."
+            )
+        return scores
+
+    def _turn_scores(self, X):
+        """Validated per-turn scores over all turn rows of ``X``."""
+        check_is_fitted(self)
+        X, site, M = self._turn_matrix(X, fitting=False)
+        scores = self._raw_turn_scores(M)
+        bad = np.flatnonzero(~np.isfinite(scores))
+        if bad.size:
+            conv, turn = locate_row(X, int(bad[0]))
+            raise ValueError(
+                f"the turn estimator produced a non-finite score ({scores[bad[0]]}) "
+                f"for {describe(X, conv)}, turn {turn}, site {site!r}; "
+                "refusing to pick a step from it."
+            )
+        return X, scores
+
+    # ---------------------------------------------------------------------- API
+    @_fit_context(
+        # the wrapped estimator is validated when it is fitted
+        prefer_skip_nested_validation=False
+    )
+    def fit(self, X, y, groups=None):
+        """Fit the turn-level binary model.
+
+        Parameters
+        ----------
+        X : TurnFeatures
+            Per-turn features; one entry per conversation. With several sites,
+            ``site`` selects the block to read.
+        y : array-like of int, shape (n_conversations,)
+            Index of the decisive turn of each conversation.
+        groups : array-like, default=None
+            Ignored; accepted so every conversation-level estimator shares
+            ``fit(X, y, groups=None)`` (groups only feed splitters).
+
+        Returns
+        -------
+        self : object
+            Fitted estimator.
+        """
+        X, site, M = self._turn_matrix(X, fitting=True)
+        y = check_steps(y, X)
+        if np.all(X.n_turns == 1):
+            raise ValueError(
+                "every training conversation has a single turn, so there is no "
+                "negative (non-decisive) turn to learn from; provide conversations "
+                "with at least two turns."
+            )
+        labels = np.zeros(X.n_turns_total, dtype=np.int64)
+        labels[X.global_turn_index(y)] = 1
+
+        estimator = self._make_turn_estimator(M)
+        if hasattr(estimator, "decision_function"):
+            response_method = "decision_function"
+        elif hasattr(estimator, "predict_proba"):
+            response_method = "predict_proba"
+        else:
+            raise TypeError(
+                f"the turn estimator {estimator!r} implements neither "
+                "decision_function nor predict_proba, so turns cannot be ranked."
+            )
+        estimator.fit(M, labels)
+
+        self.estimator_ = estimator
+        self.response_method_ = response_method
+        self.site_ = site
+        self.n_features_in_ = int(M.shape[1])
+        self._after_fit(M)
+        return self
+
+    def turn_decision_function(self, X):
+        """Score of every turn, per conversation.
+
+        Scores come from the turn estimator's ``decision_function`` or, when it
+        has none, from the probability of the positive class
+        (``predict_proba(...)[:, 1]``), see ``response_method_``.
+
+        Parameters
+        ----------
+        X : TurnFeatures
+
+        Returns
+        -------
+        scores : list of ndarray of shape (n_turns_i,)
+            One 1-D float array per conversation.
+        """
+        X, scores = self._turn_scores(X)
+        return X.split_rows(scores)
+
+    def turn_predict_proba(self, X):
+        """Probability that each turn is the decisive one, per conversation.
+
+        With a ``decision_function`` the scores are turned into a distribution
+        over the turns of each conversation by a softmax. With
+        ``predict_proba`` the per-turn positive-class probabilities are
+        renormalised to sum to one (the softmax of their logarithms), uniform
+        when they are all zero. The argmax is the predicted step in both cases.
+
+        Parameters
+        ----------
+        X : TurnFeatures
+
+        Returns
+        -------
+        proba : list of ndarray of shape (n_turns_i,)
+            One array per conversation, non-negative, summing to 1.
+        """
+        X, scores = self._turn_scores(X)
+        if self.response_method_ == "decision_function":
+            proba = grouped_softmax(scores, X.offsets)
+        else:
+            proba = grouped_normalise(scores, X.offsets)
+        return X.split_rows(proba)
+
+    def predict(self, X):
+        """Predict the decisive step of every conversation.
+
+        The predicted step is the turn with the highest score; on ties the
+        earliest such turn wins.
+
+        Parameters
+        ----------
+        X : TurnFeatures
+
+        Returns
+        -------
+        steps : ndarray of int, shape (n_conversations,)
+        """
+        X, scores = self._turn_scores(X)
+        return grouped_argmax(scores, X.offsets)
+
+    def predict_agent(self, X):
+        """Speaker of the predicted decisive turn of every conversation.
+
+        Parameters
+        ----------
+        X : TurnFeatures
+            Must carry ``speakers`` (TurnActivationTransformer sets them).
+
+        Returns
+        -------
+        agents : ndarray of object, shape (n_conversations,)
+        """
+        X = check_turn_features(X, self)
+        if X.speakers is None:
+            raise ValueError(
+                "X carries no speakers, so agents cannot be read off the predicted "
+                "turns; build TurnFeatures with speakers=... (one per turn) or use "
+                "features from skafa.TurnActivationTransformer."
+            )
+        return X.speakers_at(self.predict(X))
+
+    def score(self, X, y, sample_weight=None):
+        """Step accuracy: fraction of conversations whose decisive step is found.
+
+        Parameters
+        ----------
+        X : TurnFeatures
+        y : array-like of int, shape (n_conversations,)
+        sample_weight : array-like of shape (n_conversations,), default=None
+            Conversation weights (a weighted mean of hits).
+
+        Returns
+        -------
+        score : float
+        """
+        X = check_turn_features(X, self)
+        y = check_steps(y, X)
+        pred = self.predict(X)
+        if sample_weight is None:
+            return step_accuracy(y, pred)
+        sample_weight = _check_sample_weight(sample_weight, np.empty(len(X)))
+        return float(np.average(pred == y, weights=sample_weight))
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        # Not a classifier on purpose (see module docstring): estimator_type None.
+        tags.target_tags.required = True
+        tags.input_tags.sparse = True
+        return tags
+
+
+class GroupedArgmaxClassifier(MetaEstimatorMixin, _BaseGroupedArgmax):
+    """Pick the decisive turn of each conversation with any binary classifier.
+
+    Every turn row of the training conversations becomes one binary sample,
+    labelled 1 at the decisive turn and 0 elsewhere. A clone of ``estimator`` is
+    fitted on those rows; at prediction time each turn is scored and the
+    highest-scoring turn of every conversation is the predicted step.
+
+    Despite the name this is not a scikit-learn classifier: the "class" of a
+    conversation is a turn position, so there is no ``classes_`` and the
+    ``estimator_type`` tag is ``None`` (an int ``cv`` gives ``KFold``). ``score``
+    is step accuracy.
+
+    Parameters
+    ----------
+    estimator : estimator object, default=None
+        Binary classifier fitted on the turn rows. It must implement
+        ``decision_function`` or ``predict_proba`` (used in that order of
+        preference). ``None`` means ``LogisticRegression()``.
+    site : str or int, default=None
+        Site block of ``X`` to read. May be left to ``None`` when ``X`` holds a
+        single site; with several sites use ``X.select_sites(...)``, set this, or
+        wrap the estimator in :class:`skafa.SiteSelector`.
+
+    Attributes
+    ----------
+    estimator_ : estimator object
+        The fitted binary turn model.
+    response_method_ : {"decision_function", "predict_proba"}
+        Which method of ``estimator_`` scores the turns.
+    site_ : str
+        Name of the site block used in ``fit``; ``predict`` reads the same
+        block and raises if ``X`` lacks it.
+    n_features_in_ : int
+        Number of features per turn.
+
+    See Also
+    --------
+    GroupedArgmaxLogisticClassifier : Standardized logistic-regression probe.
+    skafa.SiteSelector : Choose the site by grouped cross-validation.
+
+    Notes
+    -----
+    Ties between turns of one conversation go to the earliest turn.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sklearn.svm import LinearSVC
+    >>> from skafa import TurnFeatures
+    >>> from skafa.estimators import GroupedArgmaxClassifier
+    >>> rng = np.random.default_rng(0)
+    >>> offsets = np.arange(0, 41, 4)             # 10 conversations x 4 turns
+    >>> values = rng.normal(size=(40, 3))
+    >>> y = rng.integers(0, 4, size=10)
+    >>> values[offsets[:-1] + y, 0] += 5.0        # the decisive turn stands out
+    >>> X = TurnFeatures(values, offsets)
+    >>> clf = GroupedArgmaxClassifier(LinearSVC()).fit(X, y)
+    >>> clf.score(X, y)
+    1.0
+    """
+
+    _parameter_constraints: dict = {
+        **_BaseGroupedArgmax._parameter_constraints,
+        "estimator": [HasMethods(["fit"]), None],
+    }
+
+    def __init__(self, estimator=None, *, site=None):
+        self.estimator = estimator
+        self.site = site
+
+    def _make_turn_estimator(self, M):
+        if self.estimator is None:
+            return LogisticRegression()
+        return clone(self.estimator)
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        if self.estimator is not None:
+            tags.input_tags.sparse = get_tags(self.estimator).input_tags.sparse
+        return tags
+
+
+class GroupedArgmaxLogisticClassifier(_BaseGroupedArgmax):
+    """Standardized logistic-regression probe that picks the decisive turn.
+
+    The turn rows are standardized with statistics of the training turns
+    (``StandardScaler``; ``with_mean=False`` for sparse input) and a
+    :class:`~sklearn.linear_model.LogisticRegression` separates decisive from
+    other turns. The step predicted for a conversation is its highest-scoring
+    turn (earliest on ties). This is :class:`GroupedArgmaxClassifier` with a
+    fixed, tuned-by-parameter turn model.
+
+    Parameters
+    ----------
+    C : float, default=1.0
+        Inverse of the L2 regularization strength.
+    class_weight : dict, "balanced" or None, default="balanced"
+        Weights of the turn classes; ``"balanced"`` compensates for there
+        being one decisive turn per conversation.
+    standardize : bool, default=True
+        Standardize turn rows before the logistic regression.
+    max_iter : int, default=1000
+        Maximum number of solver iterations.
+    tol : float, default=1e-4
+        Stopping tolerance.
+    solver : {"lbfgs", "liblinear", "newton-cg", "newton-cholesky", "sag", \
+            "saga"}, default="lbfgs"
+        Solver of the logistic regression.
+    random_state : int, RandomState instance or None, default=None
+        Used by the "sag", "saga" and "liblinear" solvers.
+    site : str or int, default=None
+        Site block of ``X`` to read; see :class:`GroupedArgmaxClassifier`.
+
+    Attributes
+    ----------
+    estimator_ : Pipeline or LogisticRegression
+        The fitted turn model (scaler + logistic regression when
+        ``standardize=True``).
+    scaler_ : StandardScaler or None
+        The fitted scaler, ``None`` when ``standardize=False``.
+    coef_ : ndarray of shape (1, n_features)
+        Weights in the *original* (unstandardized) feature space, so that the
+        turn score is ``x @ coef_.ravel() + intercept_[0]``.
+    intercept_ : ndarray of shape (1,)
+        Intercept in the original feature space.
+    n_iter_ : ndarray of shape (1,)
+        Solver iterations.
+    response_method_ : str
+        Always ``"decision_function"``.
+    site_ : str
+        Name of the site block used in ``fit``.
+    n_features_in_ : int
+        Number of features per turn.
+
+    See Also
+    --------
+    GroupedArgmaxClassifier : The same with any binary estimator.
+    skafa.SiteSelector : Choose the site by grouped cross-validation.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skafa import TurnFeatures
+    >>> from skafa.estimators import GroupedArgmaxLogisticClassifier
+    >>> rng = np.random.default_rng(0)
+    >>> offsets = np.arange(0, 41, 4)
+    >>> values = rng.normal(size=(40, 3))
+    >>> y = rng.integers(0, 4, size=10)
+    >>> values[offsets[:-1] + y, 0] += 5.0
+    >>> probe = GroupedArgmaxLogisticClassifier().fit(TurnFeatures(values, offsets), y)
+    >>> probe.predict(TurnFeatures(values, offsets)).tolist() == y.tolist()
+    True
+    """
+
+    _parameter_constraints: dict = {
+        **_BaseGroupedArgmax._parameter_constraints,
+        "C": [Interval(Real, 0, None, closed="neither")],
+        "class_weight": [dict, StrOptions({"balanced"}), None],
+        "standardize": ["boolean"],
+        "max_iter": [Interval(Integral, 0, None, closed="left")],
+        "tol": [Interval(Real, 0, None, closed="left")],
+        "solver": [
+            StrOptions(
+                {"lbfgs", "liblinear", "newton-cg", "newton-cholesky", "sag", "saga"}
+            )
+        ],
+        "random_state": ["random_state"],
+    }
+
+    def __init__(
+        self,
+        *,
+        C=1.0,
+        class_weight="balanced",
+        standardize=True,
+        max_iter=1000,
+        tol=1e-4,
+        solver="lbfgs",
+        random_state=None,
+        site=None,
+    ):
+        self.C = C
+        self.class_weight = class_weight
+        self.standardize = standardize
+        self.max_iter = max_iter
+        self.tol = tol
+        self.solver = solver
+        self.random_state = random_state
+        self.site = site
+
+    def _make_turn_estimator(self, M):
+        # ``penalty`` is deprecated in scikit-learn 1.8; the default l1_ratio=0 is
+        # the L2 penalty, so it is simply not passed.
+        logistic = LogisticRegression(
+            C=self.C,
+            class_weight=self.class_weight,
+            max_iter=self.max_iter,
+            tol=self.tol,
+            solver=self.solver,
+            random_state=self.random_state,
+        )
+        if not self.standardize:
+            return logistic
+        scaler = StandardScaler(with_mean=not sp.issparse(M))
+        return Pipeline([("scaler", scaler), ("logistic", logistic)])
+
+    def _after_fit(self, M):
+        if self.standardize:
+            self.scaler_ = self.estimator_.named_steps["scaler"]
+            logistic = self.estimator_.named_steps["logistic"]
+            scale = self.scaler_.scale_
+            mean = (
+                self.scaler_.mean_
+                if self.scaler_.with_mean
+                else np.zeros_like(scale)
+            )
+            coef = logistic.coef_ / scale
+            self.coef_ = coef
+            self.intercept_ = logistic.intercept_ - coef @ mean
+        else:
+            self.scaler_ = None
+            logistic = self.estimator_
+            self.coef_ = logistic.coef_.copy()
+            self.intercept_ = logistic.intercept_.copy()
+        self.n_iter_ = logistic.n_iter_

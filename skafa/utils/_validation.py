@@ -1,0 +1,353 @@
+"""Private input checks shared by every skafa estimator: one helper per check.
+
+- :func:`describe_conversation` and :func:`describe` name a conversation in errors
+  (``"conversation 3 (task 'abc', record 'algo_12')"``);
+- :func:`check_conversations` validates a list of :class:`~skafa.Conversation`;
+- :func:`check_turn_features` validates a :class:`~skafa.TurnFeatures`;
+- :func:`check_steps` validates decisive-step labels and always raises ``ValueError``;
+- :func:`check_finite_rows` names the conversation, turn, site and feature of a NaN/inf;
+- :func:`check_int` validates an integer argument outside ``_parameter_constraints``.
+"""
+
+# Authors: The skafa developers
+# SPDX-License-Identifier: MIT
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+import scipy.sparse as sp
+
+__all__ = [
+    "describe_conversation",
+    "describe",
+    "check_conversations",
+    "check_turn_features",
+    "check_steps",
+    "check_finite_rows",
+    "locate_row",
+    "check_int",
+    "task_ids_of",
+    "labels_from_conversations",
+]
+
+
+def describe_conversation(i, *, task_id=None, record_id=None) -> str:
+    """Name conversation ``i`` for an error message.
+
+    Parameters
+    ----------
+    i : int
+        Position of the conversation in the input.
+    task_id, record_id : object, default=None
+        Shown when not None.
+
+    Returns
+    -------
+    str
+        ``"conversation 3 (task 'abc', record 'algo_12')"``, or ``"conversation 3"``.
+    """
+    parts = []
+    if task_id is not None:
+        parts.append(f"task {task_id!r}")
+    if record_id is not None:
+        parts.append(f"record {record_id!r}")
+    return f"conversation {int(i)}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def describe(X, i) -> str:
+    """Name entry ``i`` of a list of conversations or of a TurnFeatures.
+
+    Parameters
+    ----------
+    X : list of Conversation or TurnFeatures
+    i : int
+
+    Returns
+    -------
+    str
+    """
+    from ..features import TurnFeatures
+
+    if isinstance(X, TurnFeatures):
+        task = None if X.task_ids is None else X.task_ids[i]
+        return describe_conversation(i, task_id=task)
+    conv = X[i]
+    return describe_conversation(i, task_id=getattr(conv, "task_id", None),
+                                 record_id=getattr(conv, "record_id", None))
+
+
+def check_conversations(X, caller) -> list:
+    """Return ``X`` as a non-empty list of Conversation, or raise naming the bad entry.
+
+    Parameters
+    ----------
+    X : sequence of Conversation
+    caller : str
+        Name of the estimator or function, used in messages.
+
+    Returns
+    -------
+    list of Conversation
+
+    Raises
+    ------
+    TypeError
+        ``X`` is not a sequence of Conversation (a single Conversation, a string,
+        a dict, a TurnFeatures, or an element of another type).
+    ValueError
+        ``X`` is empty.
+    """
+    from collections.abc import Mapping
+
+    from ..conversation import Conversation
+    from ..features import TurnFeatures
+
+    if isinstance(X, TurnFeatures):
+        raise TypeError(
+            f"{caller} takes a list of Conversation objects, not TurnFeatures; put it "
+            "before (or beside, in a TurnFeatureUnion) the activation extractor."
+        )
+    if isinstance(X, Conversation):
+        raise TypeError(
+            f"{caller} takes a list of Conversation objects, got a single Conversation; "
+            "wrap it in a list."
+        )
+    if isinstance(X, (str, bytes, Mapping)) or not hasattr(X, "__iter__") or (
+        isinstance(X, np.ndarray) and X.ndim != 1
+    ):
+        raise TypeError(
+            f"{caller} takes a list of Conversation objects (one per sample), got "
+            f"{type(X).__name__}."
+        )
+    convs = list(X)
+    if not convs:
+        raise ValueError(f"{caller} got zero conversations: pass at least one Conversation.")
+    for i, conv in enumerate(convs):
+        if not isinstance(conv, Conversation):
+            hint = (
+                " Build it with Conversation.from_who_and_when(record) or "
+                "Conversation.from_messages(messages)."
+            )
+            raise TypeError(
+                f"{caller}: conversation {i} is a {type(conv).__name__}, not a "
+                f"Conversation.{hint}"
+            )
+    return convs
+
+
+def task_ids_of(convs):
+    """Task ids of conversations, or None when none has one."""
+    ids = [c.task_id for c in convs]
+    return ids if any(t is not None for t in ids) else None
+
+
+def check_turn_features(X, estimator):
+    """Return ``X`` if it is a non-empty TurnFeatures, else raise saying what to do.
+
+    Parameters
+    ----------
+    X : object
+    estimator : object or str
+        The caller (its class name is used in messages).
+
+    Returns
+    -------
+    TurnFeatures
+    """
+    from ..features import TurnFeatures
+
+    name = estimator if isinstance(estimator, str) else type(estimator).__name__
+    if not isinstance(X, TurnFeatures):
+        raise TypeError(
+            f"{name} expects a skafa.TurnFeatures (one entry per conversation, one "
+            f"feature row per turn), got {type(X).__name__}. Turn conversations into "
+            "per-turn features with skafa.TurnActivationTransformer (or another skafa "
+            "featurizer), or build TurnFeatures(values, offsets) from your own "
+            "per-turn arrays."
+        )
+    if len(X) == 0:
+        raise ValueError(
+            f"{name} got a TurnFeatures with 0 conversations; pass at least one "
+            "conversation."
+        )
+    return X
+
+
+def _describe_default(i):
+    return f"conversation {int(i)}"
+
+
+def _n_turns(X):
+    from ..features import TurnFeatures
+
+    if isinstance(X, TurnFeatures):
+        return np.asarray(X.n_turns, dtype=np.int64)
+    return np.asarray([len(c) for c in X], dtype=np.int64)
+
+
+def check_steps(y, X=None, *, name="y"):
+    """Validate decisive-step labels (the one step-label check of the package).
+
+    Steps are 0-based turn indices, one per conversation. Integers, and floats
+    that hold an integer value (``2.0``), are accepted; anything else raises a
+    ``ValueError`` naming the first offending entry.
+
+    Parameters
+    ----------
+    y : array-like
+        One decisive step per conversation.
+    X : TurnFeatures or list of Conversation, default=None
+        The conversations; when given, ``y`` must have one entry per
+        conversation, each step must lie inside its conversation, and messages
+        name the conversation (index, task, record).
+    name : str, default="y"
+        Name of the argument in messages.
+
+    Returns
+    -------
+    ndarray of int64, shape (n_conversations,)
+
+    Raises
+    ------
+    ValueError
+        For a missing, non-1-D, non-integer, negative or out-of-range step.
+    """
+    if X is None:
+        n_turns = None
+        name_of = _describe_default
+    else:
+        n_turns = _n_turns(X)
+        def name_of(i):
+            return describe(X, i)
+    if y is None:
+        raise ValueError(
+            f"{name} is required: the index of the decisive turn of every conversation."
+        )
+    if isinstance(y, (str, bytes)):
+        raise ValueError(f"{name} must be a 1-D sequence of int steps, got a string.")
+    try:
+        arr = np.asarray(y)
+    except ValueError as exc:  # ragged nesting
+        raise ValueError(f"{name} must be a 1-D sequence of int steps ({exc}).") from exc
+    if arr.ndim == 2 and arr.shape[1] == 1:
+        arr = arr[:, 0]
+    if arr.ndim != 1:
+        raise ValueError(
+            f"{name} must be 1-D (one decisive step per conversation), got shape {arr.shape}."
+        )
+    if n_turns is not None and arr.shape[0] != len(n_turns):
+        raise ValueError(
+            f"{name} has {arr.shape[0]} entries but X holds {len(n_turns)} conversations; "
+            "give one decisive step per conversation."
+        )
+    if arr.dtype.kind == "O":
+        for i, v in enumerate(arr.tolist()):
+            if isinstance(v, bool) or not isinstance(v, (numbers.Integral, numbers.Real)):
+                raise ValueError(
+                    f"{name}[{i}]={v!r} is not an integer turn index; it is the step of "
+                    f"{name_of(i)}."
+                )
+        arr = np.asarray(arr.tolist(), dtype=float)
+    if arr.dtype.kind == "b":
+        raise ValueError(f"{name} must hold integer turn indices, got booleans.")
+    if arr.size and arr.dtype.kind not in "iuf":
+        raise ValueError(f"{name} must hold integer turn indices, got dtype {arr.dtype}.")
+    if arr.dtype.kind == "f":
+        bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"{name}[{i}]={arr[i].item()!r} is not an integer turn index; it is the "
+                f"step of {name_of(i)}."
+            )
+    arr = arr.astype(np.int64)
+    neg = np.flatnonzero(arr < 0)
+    if neg.size:
+        i = int(neg[0])
+        raise ValueError(
+            f"{name}[{i}]={int(arr[i])} is negative; steps are 0-based turn indices "
+            f"(the step of {name_of(i)})."
+        )
+    if n_turns is not None:
+        bad = np.flatnonzero(arr >= n_turns)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"{name}[{i}]={int(arr[i])} is outside {name_of(i)}, which has "
+                f"{int(n_turns[i])} turns."
+            )
+    return arr
+
+
+def labels_from_conversations(convs, caller):
+    """Each conversation's ``mistake_step``; a clear error listing unlabelled ones.
+
+    Used when ``y`` is not given to ``fit``/``score``: the labels then come from the
+    conversations themselves.
+    """
+    missing = [i for i, c in enumerate(convs) if c.mistake_step is None]
+    if missing:
+        listed = "; ".join(describe(convs, i) for i in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(
+            f"{caller}: y was not given and {len(missing)} of {len(convs)} conversations "
+            f"carry no mistake_step label: {listed}{more}. Pass y=<decisive step of each "
+            "conversation>, or label the conversations (Conversation(..., mistake_step=...))."
+        )
+    return np.asarray([c.mistake_step for c in convs], dtype=np.int64)
+
+
+def locate_row(X, row):
+    """Conversation index and turn position of a global turn row of ``X``."""
+    conv = int(np.searchsorted(X.offsets, row, side="right") - 1)
+    return conv, int(row - X.offsets[conv])
+
+
+def check_finite_rows(X, M, site, *, what="feature value"):
+    """Raise a ValueError naming the conversation/turn/site of a NaN or inf in ``M``.
+
+    Parameters
+    ----------
+    X : TurnFeatures
+        Gives the conversation boundaries and task ids.
+    M : ndarray or sparse matrix, shape (n_turns_total, n_features)
+    site : str
+    what : str
+        What the values are, for the message.
+    """
+    if sp.issparse(M):
+        data = sp.csr_matrix(M).data if M.format != "csr" else M.data
+        bad = ~np.isfinite(data)
+        if not bad.any():
+            return
+        M = sp.csr_matrix(M)
+        k = int(np.flatnonzero(~np.isfinite(M.data))[0])
+        row = int(np.searchsorted(M.indptr, k, side="right") - 1)
+        col = int(M.indices[k])
+        value = M.data[k]
+    else:
+        M = np.asarray(M)
+        with np.errstate(over="ignore", invalid="ignore"):
+            total = np.add.reduce(M, axis=None, dtype=np.float64)
+        if np.isfinite(total):
+            return
+        bad = ~np.isfinite(M)
+        if not bad.any():  # the fast path overflowed on huge but finite values
+            return
+        row, col = (int(v) for v in np.argwhere(bad)[0])
+        value = M[row, col]
+    conv, turn = locate_row(X, row)
+    raise ValueError(
+        f"non-finite {what} ({value}) at {describe(X, conv)}, turn {turn}, "
+        f"site {site!r}, feature {col}. Clean or impute the features before fitting "
+        "or predicting."
+    )
+
+
+def check_int(value, name, *, minimum, caller):
+    """Return ``value`` as an int ``>= minimum``, or raise a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{caller}: {name} must be an int >= {minimum}, got {value!r}.")
+    return int(value)
