@@ -429,3 +429,20 @@ def test_gemma3_base_model_extracts_a_real_record():
         assert X.values.shape == (len(conv), 2, 640) and np.isfinite(X.values).all()
         if read == "recap":
             _check_read_tokens(enc, conv, t.prompt_, tok)
+
+
+def test_read_token_overhead_example_runs(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "read_token_overhead.py"
+    spec = importlib.util.spec_from_file_location("read_token_overhead", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    counts = module.main(["--smoke"])
+    out = capsys.readouterr().out
+    assert "| `recap` |" in out and "| `echo` |" in out
+    assert np.all(counts["last"] < counts["recap"]) and np.all(counts["recap"] < counts["echo"])
+    tok, convs = make_tiny_tokenizer(), make_conversations(20, seed=0)
+    np.testing.assert_array_equal(counts["echo"], [encode(c, tok, read="echo").n_tokens
+                                                    for c in convs])
