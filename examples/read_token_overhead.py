@@ -10,6 +10,7 @@ Run::
 
     python examples/read_token_overhead.py                       # SmolLM2, Algorithm-Generated
     python examples/read_token_overhead.py --model /path/to/model.gguf --subset Hand-Crafted
+    python examples/read_token_overhead.py --budget 8192         # + what shortening removes
     python examples/read_token_overhead.py --smoke               # tiny tokenizer, synthetic data
 """
 
@@ -50,11 +51,29 @@ def measure(convs, tokenizer, template=None):
     return counts, np.array([len(c) for c in convs])
 
 
+def shortening(convs, tokenizer, budget):
+    """Per read, what ``PromptTemplate(shorten="middle_first", max_prompt_tokens=budget)`` removes."""
+    from skafa.prompt import PromptTemplate, plan
+
+    template = PromptTemplate(shorten="middle_first", max_prompt_tokens=budget)
+    total = sum(len(t.content) for c in convs for t in c.turns)
+    rows = [(f"| read | conversations shortened (of {len(convs)}) | turn characters removed "
+             f"(of {total:,}) | prompts that cannot fit |"), "|---|---|---|---|"]
+    out = {}
+    for r in READS:
+        p = plan(convs, tokenizer, template, max_tokens=budget, read=r)
+        n_short = sum(row["chars_removed"] > 0 for row in p)
+        out[r] = p
+        rows.append(f"| `{r}` | {n_short} | {p.total_chars_removed:,} "
+                    f"({100 * p.total_chars_removed / max(total, 1):.1f}%) | {len(p.too_long)} |")
+    return out, "\n".join(rows)
+
+
 def report(counts, n_turns):
     """Markdown table of the token counts and the overhead of each read over ``last``."""
     last = counts["last"]
-    rows = ["| read | total tokens | mean per prompt | median | max | extra vs last "
-            "| extra tokens per turn |", "|---|---|---|---|---|---|---|"]
+    rows = [("| read | total tokens | mean per prompt | median | max | extra vs last "
+             "| extra tokens per turn |"), "|---|---|---|---|---|---|---|"]
     for r in READS:
         c = counts[r]
         extra = c - last
@@ -70,6 +89,8 @@ def main(argv=None):
     p.add_argument("--data", default=os.environ.get(
         "SKAFA_WHO_AND_WHEN", str(REPO.parent / "shared" / "data" / "who_and_when")))
     p.add_argument("--subset", default="Algorithm-Generated")
+    p.add_argument("--budget", type=int, default=None,
+                   help="also report what shorten='middle_first' removes at this token budget")
     p.add_argument("--smoke", action="store_true", help="tiny tokenizer, synthetic data")
     args = p.parse_args(argv)
     if args.smoke:
@@ -85,6 +106,9 @@ def main(argv=None):
     print(f"{len(convs)} conversations, {int(n_turns.sum())} turns ({label}); "
           "PromptTemplate() defaults, no shortening\n")
     print(report(counts, n_turns))
+    if args.budget:
+        print(f"\nShortening to max_prompt_tokens={args.budget} (middle_first):\n")
+        print(shortening(convs, tokenizer, args.budget)[1])
     return counts
 
 

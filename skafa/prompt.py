@@ -10,7 +10,8 @@ skafa reads hidden states.
 
 Because a decoder is causal, the activation at a turn's last token depends only on
 what precedes it: the system message, the task, the expected answer and the earlier
-turns. The closing instruction matters only for generation (the LLM judge).
+turns. The closing instruction matters only for generation (the LLM judge) and for the
+recap and echo reads below.
 
 Two layouts let every turn's vector see the whole run in the same single forward
 pass (``read=`` of :func:`encode`, :func:`plan` and
@@ -192,7 +193,9 @@ class PromptTemplate:
         are safe).
     instruction : str or None, default=DEFAULT_INSTRUCTION
         Closing question after the turns; ``None`` omits it. It follows every turn,
-        so it does not change any turn's activations in a causal model.
+        so it does not change any turn's activations in a causal model with
+        ``read="last"`` or ``"mean"``; with ``"recap"`` and ``"echo"`` the lines that
+        are read come after it, so it does change theirs.
     max_turn_chars : int or None, default=None
         With ``shorten="head_tail"``: the most characters of a turn's content kept.
     shorten : {"none", "head_tail", "middle_first"}, default="none"

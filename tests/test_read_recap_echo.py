@@ -345,10 +345,10 @@ def test_read_is_part_of_the_cache_key(tiny, tmp_path):
         again = clone(t).fit(convs)
         np.testing.assert_array_equal(again.transform(convs).values, values[read])
         assert again.n_forward_passes_ == 0
-    for a in values:
-        for b in values:
+    for a, va in values.items():
+        for b, vb in values.items():
             if a < b:
-                assert not np.allclose(values[a], values[b]), (a, b)
+                assert not np.allclose(va, vb), (a, b)
     # A different recap format is a different recap prompt: recomputed, not reused.
     other = TurnActivationTransformer(name, read="recap", cache_dir=tmp_path,
                                       prompt=PromptTemplate(recap_format="Turn {i}")).fit(convs)
@@ -359,8 +359,8 @@ def test_read_is_part_of_the_cache_key(tiny, tmp_path):
                                       prompt=PromptTemplate(recap_format="Turn {i}")).fit(convs)
     np.testing.assert_array_equal(reuse.transform(convs).values, values["last"])
     assert reuse.n_forward_passes_ == 0
-    base = dict(model_identity="m", model_fingerprint={}, dtype="float32",
-                prompt_fingerprint="p", chat_template_kwargs=None, conversation=convs[0])
+    base = {"model_identity": "m", "model_fingerprint": {}, "dtype": "float32",
+            "prompt_fingerprint": "p", "chat_template_kwargs": None, "conversation": convs[0]}
     assert activation_key(**base) == activation_key(**base, read="last")
     keys = {activation_key(**base, read=r) for r in ("last", "mean", "recap", "echo")}
     assert len(keys) == 4
@@ -439,9 +439,9 @@ def test_read_token_overhead_example_runs(capsys):
     spec = importlib.util.spec_from_file_location("read_token_overhead", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    counts = module.main(["--smoke"])
+    counts = module.main(["--smoke", "--budget", "300"])
     out = capsys.readouterr().out
-    assert "| `recap` |" in out and "| `echo` |" in out
+    assert "| `recap` |" in out and "| `echo` |" in out and "max_prompt_tokens=300" in out
     assert np.all(counts["last"] < counts["recap"]) and np.all(counts["recap"] < counts["echo"])
     tok, convs = make_tiny_tokenizer(), make_conversations(20, seed=0)
     np.testing.assert_array_equal(counts["echo"], [encode(c, tok, read="echo").n_tokens
