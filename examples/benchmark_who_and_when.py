@@ -315,8 +315,10 @@ def main(argv=None):
     p.add_argument("--sites", default="all",
                    help="sites the probes search: 'all' (2L+1), 'stride:K' (every K-th "
                         "resid_pre layer + resid_final) or a comma-separated list")
-    p.add_argument("--read", choices=["last", "mean"], default="last",
-                   help="turn vector: last token of the turn, or mean over the turn's line")
+    p.add_argument("--read", choices=["last", "mean", "recap", "echo"], default="last",
+                   help="turn vector: last token of the turn, mean over the turn's line, "
+                        "the turn's recap line after the transcript, or the turn in a "
+                        "second copy of the transcript")
     p.add_argument("--n-jobs", type=int, default=1)
     p.add_argument("--n-resamples", type=int, default=2000)
     p.add_argument("--dtype", default="float32")
@@ -352,11 +354,11 @@ def main(argv=None):
     model, tokenizer = load_model(args.model, dtype=args.dtype)
     ctx = context_length(model)
     budget = min(ctx, args.max_prompt_tokens)
-    raw = plan(convs, tokenizer, PromptTemplate(), max_tokens=ctx)
+    raw = plan(convs, tokenizer, PromptTemplate(), max_tokens=ctx, read=args.read)
     over_ctx = int(sum(not r["fits"] for r in raw))
     over_budget = int(sum(r["n_tokens"] > budget for r in raw))
     template = PromptTemplate(shorten="middle_first", max_prompt_tokens=budget)
-    shortened = plan(convs, tokenizer, template, max_tokens=budget)
+    shortened = plan(convs, tokenizer, template, max_tokens=budget, read=args.read)
     n_short = int(sum(r["chars_removed"] > 0 for r in shortened))
     total_chars = sum(sum(len(t.content) for t in c.turns) for c in convs)
     removed = int(shortened.total_chars_removed)

@@ -280,8 +280,9 @@ def _true_agents(convs, y, defaulted):
 class FailureAttributor(BaseEstimator):
     """Find the decisive step and agent of failed multi-agent runs, in one object.
 
-    Reads a language model's hidden states at the last token of every turn, or
-    averaged over the turn (:class:`~skafa.extraction.TurnActivationTransformer`),
+    Reads a language model's hidden states at the last token of every turn,
+    averaged over the turn, or at a place after the transcript that has seen the
+    whole run (``read=``; :class:`~skafa.extraction.TurnActivationTransformer`),
     and fits a
     standardized logistic-regression probe
     (:class:`~skafa.probes.GroupedArgmaxLogisticClassifier`) at the
@@ -309,9 +310,12 @@ class FailureAttributor(BaseEstimator):
     sites : None, str or list of str, default=None
         Sites to extract and compare (see :mod:`skafa.sites`); ``None`` means
         all ``2L + 1``. Fewer sites make the site search faster.
-    read : {"last", "mean"}, default="last"
-        Turn vector: the hidden state at the turn's last token, or its mean over
-        the turn's line (see :class:`~skafa.extraction.TurnActivationTransformer`).
+    read : {"last", "mean", "recap", "echo"}, default="last"
+        Turn vector: the hidden state at the turn's last token, its mean over the
+        turn's line, at the turn's recap line after the transcript (``"recap"``),
+        or at the turn's line in a second copy of the transcript (``"echo"``);
+        the last two have seen the whole run (see
+        :class:`~skafa.extraction.TurnActivationTransformer`).
     C : float, default=1.0
         Inverse L2 regularization strength of the probe.
     cv : int, cross-validation generator or iterable, default=None

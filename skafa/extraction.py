@@ -3,7 +3,8 @@
 For each conversation skafa renders one prompt (:mod:`skafa.prompt`), runs ONE
 forward pass of the model's base decoder (never the LM head) and reads every
 requested site (:mod:`skafa.sites`) at the token that holds each turn's last
-character. Sites are read with forward hooks that gather only those positions
+character (or, with ``read=``, averaged over the turn's line, at the turn's recap
+line after the transcript, or at the turn in a second copy of it). Sites are read with forward hooks that gather only those positions
 into a preallocated ``(n_turns, n_sites, hidden_size)`` buffer, so memory does not
 grow with ``n_layers x n_tokens`` the way ``output_hidden_states=True`` does. When
 no requested site is deeper than layer ``k``, the forward pass stops after
@@ -31,6 +32,7 @@ from sklearn.utils.validation import check_is_fitted
 from .cache import ActivationCache, activation_key
 from .conversation import Conversation
 from .features import TurnFeatures
+from .prompt import READS as _READ
 from .sites import decoder_layout, parse_site, site_depth, validate_sites
 
 __all__ = ["TurnActivationTransformer", "extract_activations", "SiteReader"]
@@ -308,9 +310,6 @@ def _today():
     return datetime.date.today().isoformat()
 
 
-_READ = ("last", "mean")
-
-
 def _tokenizer_fingerprint(tokenizer):
     """sha256 of what makes a tokenizer render and split text the way it does."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -335,7 +334,9 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
 
     For every conversation: render the prompt, run one forward pass of the base
     decoder, and read each requested site at the token holding each turn's last
-    character (``read="last"``) or averaged over the turn's line (``read="mean"``).
+    character (``read="last"``), averaged over the turn's line (``read="mean"``),
+    at the turn's recap line after the transcript (``read="recap"``) or at the
+    turn's line in a second copy of the transcript (``read="echo"``).
     The result is a :class:`~skafa.features.TurnFeatures` with values of shape
     ``(n_turns_total, n_sites, hidden_size)`` (float32).
 
@@ -350,13 +351,22 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
         Sites to read (see :mod:`skafa.sites`); ``None`` reads all ``2L + 1``.
         Reading every site costs the same single forward pass, so keep the default
         and select sites downstream unless memory is tight.
-    read : {"last", "mean"}, default="last"
+    read : {"last", "mean", "recap", "echo"}, default="last"
         Where a turn's vector comes from. ``"last"``: the token holding the turn's
         last character (:attr:`skafa.prompt.Encoding.turn_positions`), which in a
         causal model has seen the whole turn and everything before it. ``"mean"``:
         the average over the tokens of the turn's line, from its first token
         (:attr:`skafa.prompt.Encoding.turn_start_positions`) to that last token.
-        Same single forward pass either way; part of the cache key.
+        ``"recap"``: the prompt continues after the transcript with the
+        instruction and one short recap line per turn (``recap_format`` of the
+        template, e.g. ``Step 3 (WebSurfer)``); the turn is read at the last token
+        of its recap line (:attr:`skafa.prompt.Encoding.recap_positions`), which
+        has seen the whole run. A few tokens per turn. ``"echo"``: the prompt
+        continues with the instruction and the whole transcript again; the turn is
+        read at its last token in the copy
+        (:attr:`skafa.prompt.Encoding.echo_positions`). About twice the tokens;
+        shortening and the context check count the copy. One forward pass per
+        conversation in every case; part of the cache key.
     prompt : PromptTemplate, default=None
         How a conversation becomes a prompt; ``None`` uses ``PromptTemplate()``.
     chat_template_kwargs : dict, default=None
@@ -395,6 +405,9 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
         Longest prompt accepted (tokens).
     prompt_ : PromptTemplate
         The prompt template used.
+    rendering_ : {"chat", "plain"}
+        Whether prompts go through the tokenizer's chat template or are plain text
+        (:meth:`skafa.prompt.PromptTemplate.rendering`; part of the cache key).
     tokenizer_fingerprint_ : str
         sha256 of the tokenizer and its chat template (part of the cache key).
     n_forward_passes_ : int
@@ -533,6 +546,7 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
         self.context_length_ = int(context_length(model))
         self.prompt_ = self.prompt if self.prompt is not None else PromptTemplate()
         self._prompt_fingerprint = self.prompt_.fingerprint()
+        self.rendering_ = self.prompt_.rendering(self._tokenizer)
         self.tokenizer_fingerprint_ = _tokenizer_fingerprint(self._tokenizer)
         self._cache = ActivationCache(self.cache_dir, memory=bool(self.memory_cache))
         self.cache_stats_ = self._cache.stats
@@ -544,7 +558,11 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
             model_identity=self.model_identity_,
             model_fingerprint=self.model_fingerprint_,
             dtype=self.dtype,
-            prompt_fingerprint=self._prompt_fingerprint,
+            # The prompt of this read and rendering; for read="last"/"mean" through a
+            # chat template this is self._prompt_fingerprint (keys written before
+            # "recap", "echo" and plain rendering existed stay valid).
+            prompt_fingerprint=self.prompt_.fingerprint(
+                read=self.read, rendering=self.prompt_.rendering(self._tokenizer)),
             chat_template_kwargs=self.chat_template_kwargs,
             conversation=conversation,
             tokenizer_fingerprint=self.tokenizer_fingerprint_,
@@ -610,9 +628,10 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
         for i in todo:
             conv = X[i]
             enc = self.prompt_.encode(conv, self._tokenizer,
-                                      chat_template_kwargs=self.chat_template_kwargs, index=i)
+                                      chat_template_kwargs=self.chat_template_kwargs, index=i,
+                                      read=self.read)
             check_fits(enc, self.context_length_, i, conv)
-            pos = np.asarray(enc.turn_positions, dtype=np.int64)
+            pos = np.asarray(enc.read_positions, dtype=np.int64)
             if pos.shape != (len(conv),):
                 raise RuntimeError(
                     f"{_where(i, conv)}: the prompt gave {pos.shape[0]} turn positions for "

@@ -10,7 +10,28 @@ skafa reads hidden states.
 
 Because a decoder is causal, the activation at a turn's last token depends only on
 what precedes it: the system message, the task, the expected answer and the earlier
-turns. The closing instruction matters only for generation (the LLM judge).
+turns. The closing instruction matters only for generation (the LLM judge) and for the
+recap and echo reads below.
+
+Two layouts let every turn's vector see the whole run in the same single forward
+pass (``read=`` of :func:`encode`, :func:`plan` and
+:class:`~skafa.extraction.TurnActivationTransformer`):
+
+- ``read="recap"``: after the transcript come the instruction (the question) and
+  then one short recap line per turn (``recap_format``, e.g. ``Step 3 (WebSurfer)``);
+  turn ``i`` is read at the last token of its recap line
+  (:attr:`Encoding.recap_positions`).
+- ``read="echo"``: after the transcript come the instruction and the whole
+  transcript again; turn ``i`` is read at the last token of its line in the copy
+  (:attr:`Encoding.echo_positions`).
+
+In both, positions come from the rendering itself (the character offsets of the
+lines skafa wrote, mapped to tokens), never from searching for the recap text.
+
+Base models have no chat template. ``PromptTemplate(chat_template="auto")`` (the
+default) renders plain text for them (BOS token, the system text, a blank line,
+the user message, a newline) and uses the tokenizer's chat template otherwise;
+``"plain"`` forces plain text, ``"tokenizer"`` refuses a tokenizer without one.
 
 Long conversations are never cut silently. ``shorten="none"`` (the default) leaves
 the text alone and :func:`check_fits` / :func:`plan` report prompts that are too
@@ -33,6 +54,7 @@ from .conversation import Conversation
 
 __all__ = [
     "PROMPT_FORMAT_VERSION",
+    "READS",
     "PromptTemplate",
     "Encoding",
     "PromptPlan",
@@ -47,8 +69,21 @@ __all__ = [
 #: whenever the same template settings would render a different prompt.
 PROMPT_FORMAT_VERSION = 1
 
+#: Ways of reading a turn's vector (``read=``); ``"recap"`` and ``"echo"`` change the
+#: prompt (see :func:`encode`), ``"last"`` and ``"mean"`` read the same prompt.
+READS = ("last", "mean", "recap", "echo")
+
+#: Version of the recap and echo layouts; part of the fingerprint for those reads.
+_READ_LAYOUT_VERSION = {"recap": 1, "echo": 1}
+
 _SHORTEN = ("none", "head_tail", "middle_first")
 _SYSTEM_PLACEMENT = ("system", "user")
+_CHAT_TEMPLATE = ("auto", "tokenizer", "plain")
+#: Fields added after PROMPT_FORMAT_VERSION 1 and their defaults. A field at its
+#: default is left out of the fingerprint, so keys written before it existed hold.
+_NEW_FIELDS = {"recap_header": "Steps:", "recap_format": "Step {i} ({speaker})",
+               "echo_header": "The same conversation again:", "chat_template": "auto"}
+_READ_FIELDS = {"recap": ("recap_header", "recap_format"), "echo": ("echo_header",)}
 _RESERVED_KWARGS = ("messages", "conversation", "tokenize", "add_generation_prompt",
                     "continue_final_message", "return_dict", "tools", "documents")
 
@@ -118,7 +153,26 @@ class PromptTemplate:
 
     Each turn line is ``turn_format`` with ``{i}`` (0-based step index, the same
     numbering as ``Conversation.mistake_step``), ``{speaker}``, ``{role}`` and
-    ``{content}``. Both messages go through the tokenizer's own chat template.
+    ``{content}``. Both messages go through the tokenizer's own chat template
+    (or are joined as plain text, see ``chat_template``).
+
+    ``read="recap"`` and ``read="echo"`` (arguments of :meth:`encode`, not fields:
+    one template serves every read) extend the user message after the turns. The
+    instruction then comes right after the transcript and the lines that are read
+    follow it, so every read token has seen the whole run and the question::
+
+        ... {turn line n-1}                 ... {turn line n-1}
+
+        {instruction}                       {instruction}
+
+        {recap_header}                      {echo_header}
+        {recap line 0}                      {turn line 0}
+        ...                                 ...
+        {recap line n-1}                    {turn line n-1}
+
+            read="recap"                        read="echo"
+
+    With ``read="last"`` or ``"mean"`` the prompt is exactly the one above.
 
     Parameters
     ----------
@@ -139,7 +193,9 @@ class PromptTemplate:
         are safe).
     instruction : str or None, default=DEFAULT_INSTRUCTION
         Closing question after the turns; ``None`` omits it. It follows every turn,
-        so it does not change any turn's activations in a causal model.
+        so it does not change any turn's activations in a causal model with
+        ``read="last"`` or ``"mean"``; with ``"recap"`` and ``"echo"`` the lines that
+        are read come after it, so it does change theirs.
     max_turn_chars : int or None, default=None
         With ``shorten="head_tail"``: the most characters of a turn's content kept.
     shorten : {"none", "head_tail", "middle_first"}, default="none"
@@ -161,6 +217,24 @@ class PromptTemplate:
     system_placement : {"system", "user"}, default="system"
         ``"user"`` puts the system text at the top of the user message, for chat
         templates that reject a system role (e.g. Gemma's).
+    recap_header : str or None, default="Steps:"
+        With ``read="recap"``: line before the recap lines; ``None`` omits it.
+    recap_format : str, default="Step {i} ({speaker})"
+        With ``read="recap"``: one line per turn, with ``{i}`` (the same 0-based
+        index as the turn line), ``{speaker}`` and ``{role}``. Turn ``i`` is read
+        at the token holding the last character of its recap line. One line, not
+        empty, no trailing whitespace (chat templates may trim it).
+    echo_header : str or None, default="The same conversation again:"
+        With ``read="echo"``: line before the second copy of the turns; ``None``
+        omits it.
+    chat_template : {"auto", "tokenizer", "plain"}, default="auto"
+        How the messages become text. ``"tokenizer"``: the tokenizer's chat
+        template (a tokenizer without one is refused). ``"plain"``: plain text
+        for base models, ``{bos_token}{system}\n\n{user message}\n`` (the BOS
+        token only when the tokenizer has one; no system part when ``system`` is
+        empty). ``"auto"``: the tokenizer's chat template when it has one, plain
+        text otherwise (:meth:`rendering` says which); the rendering used is part
+        of the activation cache key.
 
     Examples
     --------
@@ -183,16 +257,34 @@ class PromptTemplate:
     marker: str = " [... {n} characters omitted ...] "
     max_prompt_tokens: int | None = None
     system_placement: str = "system"
+    recap_header: str | None = _NEW_FIELDS["recap_header"]
+    recap_format: str = _NEW_FIELDS["recap_format"]
+    echo_header: str | None = _NEW_FIELDS["echo_header"]
+    chat_template: str = _NEW_FIELDS["chat_template"]
 
     def __post_init__(self):
-        for name in ("system", "answer_header", "history_header", "instruction"):
+        for name in ("system", "answer_header", "history_header", "instruction",
+                     "recap_header", "echo_header"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
                 raise TypeError(f"PromptTemplate.{name} must be a string or None, got "
                                 f"{type(v).__name__}.")
-        for name in ("task_header", "turn_format", "marker"):
+        for name in ("task_header", "turn_format", "marker", "recap_format", "chat_template"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"PromptTemplate.{name} must be a string.")
+        if self.chat_template not in _CHAT_TEMPLATE:
+            raise ValueError(f"PromptTemplate.chat_template must be one of {_CHAT_TEMPLATE}, "
+                             f"got {self.chat_template!r}.")
+        try:
+            recap = self.recap_format.format(i=0, speaker="s", role="r")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(
+                f"PromptTemplate.recap_format {self.recap_format!r} is not a valid format: "
+                f"{exc!r}. Use only {{i}}, {{speaker}} and {{role}}.") from None
+        if not recap.strip() or "\n" in self.recap_format or recap != recap.rstrip():
+            raise ValueError(
+                f"PromptTemplate.recap_format must render one non-empty line without "
+                f"trailing whitespace, got {self.recap_format!r}.")
         if self.shorten not in _SHORTEN:
             raise ValueError(f"PromptTemplate.shorten must be one of {_SHORTEN}, got "
                              f"{self.shorten!r}.")
@@ -251,12 +343,45 @@ class PromptTemplate:
             raise ValueError(f"Unknown PromptTemplate field(s) {unknown}; known: {sorted(known)}.")
         return cls(**dict(data))
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, read="last", *, rendering=None) -> str:
         """sha256 hex digest of the canonical JSON of the settings and format version.
 
         Stable across processes and sessions; used in activation cache keys.
+
+        Parameters
+        ----------
+        read : {"last", "mean", "recap", "echo"}, default="last"
+            The prompt this fingerprint identifies. For ``"recap"`` and ``"echo"``
+            it also covers that read's fields and layout version; for ``"last"``
+            and ``"mean"`` it leaves out the recap/echo fields, which do not change
+            their prompt.
+        rendering : {"chat", "plain"} or None, default=None
+            The rendering actually used (:meth:`rendering`); ``"plain"`` is
+            recorded, so a plain-text prompt never shares a fingerprint with a
+            chat-template one. ``None``: only what ``chat_template`` says.
+
+        Returns
+        -------
+        str
+            64 hexadecimal characters. A template whose fields added after format
+            version 1 (``recap_header``, ``recap_format``, ``echo_header``,
+            ``chat_template``) are at their defaults has, for ``read="last"``, the
+            fingerprint it had before those fields existed.
         """
-        payload = {"prompt_format_version": PROMPT_FORMAT_VERSION, **self.to_dict()}
+        if read not in READS:
+            raise ValueError(f"read must be one of {READS}, got {read!r}.")
+        if rendering not in (None, "chat", "plain"):
+            raise ValueError(f"rendering must be 'chat', 'plain' or None, got {rendering!r}.")
+        settings = self.to_dict()
+        payload = {"prompt_format_version": PROMPT_FORMAT_VERSION}
+        payload.update({k: v for k, v in settings.items() if k not in _NEW_FIELDS})
+        if self.chat_template != _NEW_FIELDS["chat_template"]:
+            payload["chat_template"] = self.chat_template
+        if rendering == "plain" or self.chat_template == "plain":
+            payload["rendering"] = "plain"
+        if read in _READ_FIELDS:
+            payload["read_layout"] = {"read": read, "version": _READ_LAYOUT_VERSION[read],
+                                      **{k: settings[k] for k in _READ_FIELDS[read]}}
         canon = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(canon.encode("utf-8")).hexdigest()
 
@@ -282,7 +407,8 @@ class PromptTemplate:
         tail = keep - head
         return (content[:head] + marker + (content[len(content) - tail:] if tail else "")), removed
 
-    def messages(self, conversation: Conversation, contents: Sequence[str] | None = None):
+    def messages(self, conversation: Conversation, contents: Sequence[str] | None = None,
+                 *, read="last"):
         """Return the chat messages and the turn lines for ``conversation``.
 
         Parameters
@@ -290,6 +416,9 @@ class PromptTemplate:
         conversation : Conversation
         contents : sequence of str, optional
             Replacement turn contents (already shortened); default the originals.
+        read : {"last", "mean", "recap", "echo"}, default="last"
+            ``"recap"`` and ``"echo"`` add the recap lines or the second copy of
+            the turns after the instruction (see the class docstring).
 
         Returns
         -------
@@ -299,6 +428,20 @@ class PromptTemplate:
         lines : list of tuple
             ``(prefix, content, suffix)`` of every turn line, in order.
         """
+        messages, lines, _, _ = self._layout(conversation, contents, read)
+        return messages, lines
+
+    def _layout(self, conversation, contents, read):
+        """Messages, turn lines, and the text after the last turn line with the spans in it.
+
+        Returns ``(messages, lines, tail, read_spans)``: ``tail`` is the exact text
+        the user message holds after the end of the last (first-copy) turn line;
+        ``read_spans`` lists, for ``read="recap"``/``"echo"``, ``(start, end, last)``
+        of every recap line / copied turn line relative to the start of ``tail``
+        (``last`` is the character that defines the read position), else ``[]``.
+        """
+        if read not in READS:
+            raise ValueError(f"read must be one of {READS}, got {read!r}.")
         if contents is None:
             contents = [t.content for t in conversation.turns]
         lines = []
@@ -320,18 +463,68 @@ class PromptTemplate:
         history = [] if self.history_header is None else [self.history_header]
         history.extend(pre + content + post for pre, content, post in lines)
         blocks.append("\n".join(history))
+        # Everything after the last turn line, built piece by piece so that the
+        # offset of every read line is known without searching any text.
+        tail, read_spans = "", []
         if self.instruction:
-            blocks.append(self.instruction)
+            tail += "\n\n" + self.instruction
+        if read in ("recap", "echo"):
+            header = self.recap_header if read == "recap" else self.echo_header
+            tail += "\n\n"
+            if header is not None:
+                tail += header + "\n"
+            for i, (turn, (pre, content, post)) in enumerate(zip(conversation.turns, lines)):
+                if i:
+                    tail += "\n"
+                if read == "recap":
+                    line = self.recap_format.format(i=i, speaker=turn.speaker,
+                                                    role=turn.role or "")
+                    last = len(line) - 1
+                else:
+                    line = pre + content + post
+                    last = len(pre) + len(content) - 1  # the same rule as turn_positions
+                read_spans.append((len(tail), len(tail) + len(line), len(tail) + last))
+                tail += line
         messages = []
         if self.system and self.system_placement == "system":
             messages.append({"role": "system", "content": self.system})
-        messages.append({"role": "user", "content": "\n\n".join(blocks)})
-        return messages, lines
+        messages.append({"role": "user", "content": "\n\n".join(blocks) + tail})
+        return messages, lines, tail, read_spans
 
-    def encode(self, conversation, tokenizer, *, chat_template_kwargs=None, index=None):
+    def rendering(self, tokenizer) -> str:
+        """Which rendering this template uses with ``tokenizer``: ``"chat"`` or ``"plain"``.
+
+        Parameters
+        ----------
+        tokenizer : transformers tokenizer
+
+        Returns
+        -------
+        {"chat", "plain"}
+            ``"plain"`` for ``chat_template="plain"``, and for ``"auto"`` when the
+            tokenizer has no chat template; ``"chat"`` otherwise.
+
+        Raises
+        ------
+        ValueError
+            ``chat_template="tokenizer"`` and the tokenizer has no chat template.
+        """
+        has = bool(getattr(tokenizer, "chat_template", None))
+        if self.chat_template == "plain" or (self.chat_template == "auto" and not has):
+            return "plain"
+        if not has:
+            raise ValueError(
+                f"Tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat_template "
+                "and PromptTemplate(chat_template='tokenizer') requires one. Use "
+                "chat_template='plain' (or 'auto') to render plain text for a base model, "
+                "or set tokenizer.chat_template to a Jinja template.")
+        return "chat"
+
+    def encode(self, conversation, tokenizer, *, chat_template_kwargs=None, index=None,
+               read="last"):
         """Render and tokenize ``conversation``; see :func:`encode`."""
         return encode(conversation, tokenizer, template=self,
-                      chat_template_kwargs=chat_template_kwargs, index=index)
+                      chat_template_kwargs=chat_template_kwargs, index=index, read=read)
 
 
 # --------------------------------------------------------------------------- encoding
@@ -369,6 +562,22 @@ class Encoding:
     chars_removed : ndarray of int64, shape (n_turns,)
         Characters removed from each turn's content by the shortening policy.
     total_chars_removed : int
+    read : {"last", "mean", "recap", "echo"}
+        The read this prompt was rendered for.
+    rendering : {"chat", "plain"}
+        Whether the tokenizer's chat template or plain text produced :attr:`text`.
+    recap_positions : ndarray of int64, shape (n_turns,) or None
+        With ``read="recap"``: for each turn, the token holding the last character
+        of its recap line (strictly increasing, after every turn position);
+        ``None`` otherwise.
+    recap_char_spans : ndarray of int64, shape (n_turns, 2) or None
+        ``[start, end)`` of each recap line in :attr:`text` (``read="recap"``).
+    echo_positions : ndarray of int64, shape (n_turns,) or None
+        With ``read="echo"``: for each turn, the token holding the last character
+        of its line in the second copy, by the rule of :attr:`turn_positions`;
+        ``None`` otherwise.
+    echo_char_spans : ndarray of int64, shape (n_turns, 2) or None
+        ``[start, end)`` of each turn's line in the second copy (``read="echo"``).
     """
 
     input_ids: np.ndarray
@@ -382,15 +591,37 @@ class Encoding:
     chars_removed: np.ndarray
     total_chars_removed: int
     shortened_contents: tuple = field(default=(), repr=False)
+    read: str = "last"
+    rendering: str = "chat"
+    recap_positions: np.ndarray | None = None
+    recap_char_spans: np.ndarray | None = None
+    echo_positions: np.ndarray | None = None
+    echo_char_spans: np.ndarray | None = None
 
     @property
     def n_turns(self) -> int:
         """Number of turns."""
         return int(self.turn_positions.shape[0])
 
+    @property
+    def read_positions(self) -> np.ndarray:
+        """The token read for every turn under :attr:`read`.
+
+        :attr:`recap_positions` for ``"recap"``, :attr:`echo_positions` for
+        ``"echo"``, :attr:`turn_positions` for ``"last"`` and ``"mean"`` (the
+        mean ends there and starts at :attr:`turn_start_positions`).
+        """
+        if self.read == "recap":
+            return self.recap_positions
+        if self.read == "echo":
+            return self.echo_positions
+        return self.turn_positions
+
     def __repr__(self):
+        extra = "" if self.read == "last" else f", read={self.read!r}"
+        extra += "" if self.rendering == "chat" else f", rendering={self.rendering!r}"
         return (f"Encoding(n_tokens={self.n_tokens}, n_turns={self.n_turns}, "
-                f"total_chars_removed={self.total_chars_removed})")
+                f"total_chars_removed={self.total_chars_removed}{extra})")
 
 
 def _array(a, dtype=np.int64):
@@ -416,25 +647,33 @@ def _check_tokenizer(tokenizer):
             f"skafa needs a *fast* tokenizer (with character offsets) to locate turns; got "
             f"{type(tokenizer).__name__} (is_fast=False). Load it with "
             "AutoTokenizer.from_pretrained(..., use_fast=True) or skafa.models.load_model.")
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"Tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat_template. "
-            "Use an instruction-tuned model or set tokenizer.chat_template to a Jinja "
-            "template.")
 
 
-def _render(template, conversation, tokenizer, contents, chat_template_kwargs, where):
-    messages, lines = template.messages(conversation, contents)
+def _plain_text(tokenizer, messages):
+    """``{bos_token}{system}\\n\\n{user}\\n``: the plain-text rendering for base models."""
+    bos = getattr(tokenizer, "bos_token", None)
+    bos = bos if isinstance(bos, str) else ""
+    return bos + "\n\n".join(m["content"] for m in messages) + "\n"
+
+
+def _render(template, conversation, tokenizer, contents, chat_template_kwargs, where,
+            read="last"):
+    messages, lines, tail, read_spans = template._layout(conversation, contents, read)
+    rendering = template.rendering(tokenizer)
     kwargs = dict(chat_template_kwargs or {})
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=True, **kwargs)
-    except Exception as exc:  # jinja TemplateError, e.g. "System role not supported"
-        hint = ""
-        if "system" in str(exc).lower() and template.system_placement == "system":
-            hint = (" The chat template may not accept a system message: use "
-                    "PromptTemplate(system_placement='user').")
-        raise ValueError(f"{where}: the tokenizer's chat template failed: {exc}.{hint}") from exc
+    if rendering == "plain":
+        text = _plain_text(tokenizer, messages)
+    else:
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=True, **kwargs)
+        except Exception as exc:  # jinja TemplateError, e.g. "System role not supported"
+            hint = ""
+            if "system" in str(exc).lower() and template.system_placement == "system":
+                hint = (" The chat template may not accept a system message: use "
+                        "PromptTemplate(system_placement='user').")
+            raise ValueError(f"{where}: the tokenizer's chat template failed: {exc}.{hint}") \
+                from exc
     if not isinstance(text, str):
         raise TypeError(f"{where}: apply_chat_template returned {type(text).__name__}, "
                         "expected text.")
@@ -472,7 +711,22 @@ def _render(template, conversation, tokenizer, contents, chat_template_kwargs, w
         spans.append((start, end))
         last_chars.append(last)
         pos = end
-    return text, np.asarray(spans, dtype=np.int64).reshape(-1, 2), np.asarray(last_chars)
+    spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+    read_spans = np.asarray(read_spans, dtype=np.int64).reshape(-1, 3)
+    if read in ("recap", "echo"):
+        # The recap lines (or the copy) follow the last turn line at offsets known
+        # from the layout; check that the rendered text holds exactly that tail.
+        anchor = int(spans[-1, 1])
+        if text[anchor:anchor + len(tail)] != tail:
+            what = "recap lines" if read == "recap" else "second copy of the turns"
+            raise ValueError(
+                f"{where}: the instruction and the {what} were not found verbatim right "
+                "after the last turn in the rendered chat template output; the template "
+                "must have escaped, trimmed or rewritten its text. Check "
+                "tokenizer.chat_template or PromptTemplate(chat_template='plain').")
+        read_spans = read_spans + anchor
+    return (text, spans, np.asarray(last_chars, dtype=np.int64), read_spans[:, :2],
+            read_spans[:, 2], rendering)
 
 
 def _tokenize(tokenizer, text, last_chars, where):
@@ -482,12 +736,18 @@ def _tokenize(tokenizer, text, last_chars, where):
     offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
     if ids.ndim != 1 or offsets.shape[0] != ids.shape[0]:
         raise ValueError(f"{where}: unexpected tokenizer output shape.")
+    return ids, offsets, _char_tokens(offsets, last_chars, where)
+
+
+def _char_tokens(offsets, chars, where, what="turn", ending="use a turn_format that "
+                 "separates turns."):
+    """Index of the last token covering each character in ``chars`` (strictly increasing)."""
     starts, ends = offsets[:, 0], offsets[:, 1]
     # Last token whose span covers the character c: tokens are in text order, so
     # search the running maximum of starts.
     run_starts = np.maximum.accumulate(starts) if len(starts) else starts
-    positions = np.searchsorted(run_starts, last_chars, side="right") - 1
-    for i, (c, p) in enumerate(zip(last_chars, positions)):
+    positions = np.searchsorted(run_starts, chars, side="right") - 1
+    for i, (c, p) in enumerate(zip(chars, positions)):
         q = p
         while q >= 0 and not (starts[q] <= c < ends[q]):
             q -= 1  # zero-width or odd tokens: walk back to a token covering c
@@ -495,14 +755,15 @@ def _tokenize(tokenizer, text, last_chars, where):
                 q = -1
                 break
         if q < 0:
-            raise ValueError(f"{where}: no token covers the last character of turn {i} "
+            raise ValueError(f"{where}: no token covers the last character of {what} {i} "
                              f"(character {c}); the tokenizer's offsets are unusable.")
         positions[i] = q
     if len(positions) > 1 and np.any(np.diff(positions) <= 0):
         bad = int(np.flatnonzero(np.diff(positions) <= 0)[0]) + 1
-        raise ValueError(f"{where}: turns {bad - 1} and {bad} end in the same token; "
-                         "use a turn_format that separates turns.")
-    return ids, offsets, positions.astype(np.int64)
+        plural = "turns" if what == "turn" else f"{what}s"
+        raise ValueError(f"{where}: {plural} {bad - 1} and {bad} end in the same token; "
+                         f"{ending}")
+    return positions.astype(np.int64)
 
 
 def _start_positions(offsets, line_starts, positions):
@@ -531,12 +792,21 @@ def _warn_special(conversation, tokenizer, where):
 
 
 def _encode_contents(template, conversation, tokenizer, contents, removed,
-                     chat_template_kwargs, where):
-    text, spans, last_chars = _render(template, conversation, tokenizer, contents,
-                                      chat_template_kwargs, where)
+                     chat_template_kwargs, where, read="last"):
+    text, spans, last_chars, read_spans, read_chars, rendering = _render(
+        template, conversation, tokenizer, contents, chat_template_kwargs, where, read)
     ids, offsets, positions = _tokenize(tokenizer, text, last_chars, where)
     starts = _start_positions(offsets, spans[:, 0], positions)
     removed = np.asarray(removed, dtype=np.int64)
+    extra = {}
+    if read in ("recap", "echo"):
+        what = "recap line" if read == "recap" else "copied turn"
+        read_positions = _char_tokens(offsets, read_chars, where, what,
+                                      "make the lines that are read end in distinct tokens.")
+        if len(read_positions) and read_positions[0] <= positions[-1]:
+            raise ValueError(f"{where}: the first {what} ends in the token of the last turn.")
+        extra = {f"{read}_positions": _array(read_positions),
+                 f"{read}_char_spans": _array(read_spans)}
     return Encoding(
         input_ids=_array(ids),
         turn_positions=_array(positions),
@@ -549,21 +819,25 @@ def _encode_contents(template, conversation, tokenizer, contents, removed,
         chars_removed=_array(removed),
         total_chars_removed=int(removed.sum()),
         shortened_contents=tuple(contents),
+        read=read,
+        rendering=rendering,
+        **extra,
     )
 
 
-def _encode(conversation, tokenizer, template, chat_template_kwargs, index, strict=True):
+def _encode(conversation, tokenizer, template, chat_template_kwargs, index, strict=True,
+            read="last"):
     """Return (encoding, fits_budget). With strict, raise when middle_first cannot fit."""
     where = _describe(conversation, index)
     originals = [t.content for t in conversation.turns]
     n = len(originals)
     if template.shorten == "none":
         return _encode_contents(template, conversation, tokenizer, originals, [0] * n,
-                                chat_template_kwargs, where), True
+                                chat_template_kwargs, where, read), True
     if template.shorten == "head_tail":
         pairs = [template._shorten_text(c, template.max_turn_chars) for c in originals]
         return _encode_contents(template, conversation, tokenizer, [p[0] for p in pairs],
-                                [p[1] for p in pairs], chat_template_kwargs, where), True
+                                [p[1] for p in pairs], chat_template_kwargs, where, read), True
 
     # middle_first: largest cap k such that the prompt fits.
     budget = template.max_prompt_tokens
@@ -571,10 +845,10 @@ def _encode(conversation, tokenizer, template, chat_template_kwargs, index, stri
     def at(cap):
         pairs = [template._shorten_text(c, cap) for c in originals]
         return _encode_contents(template, conversation, tokenizer, [p[0] for p in pairs],
-                                [p[1] for p in pairs], chat_template_kwargs, where)
+                                [p[1] for p in pairs], chat_template_kwargs, where, read)
 
     full = _encode_contents(template, conversation, tokenizer, originals, [0] * n,
-                            chat_template_kwargs, where)
+                            chat_template_kwargs, where, read)
     if full.n_tokens <= budget:
         return full, True
     lo_enc = at(0)
@@ -597,15 +871,18 @@ def _encode(conversation, tokenizer, template, chat_template_kwargs, index, stri
     return lo_enc, True
 
 
-def encode(conversation, tokenizer, *, template=None, chat_template_kwargs=None, index=None):
+def encode(conversation, tokenizer, *, template=None, chat_template_kwargs=None, index=None,
+           read="last"):
     """Render ``conversation`` with ``template`` and find every turn's last token.
 
     Parameters
     ----------
     conversation : Conversation
     tokenizer : transformers fast tokenizer
-        Must have ``is_fast`` (character offsets) and a ``chat_template``. A slow
-        tokenizer raises ``TypeError``.
+        Must have ``is_fast`` (character offsets). A slow tokenizer raises
+        ``TypeError``. Without a ``chat_template`` the prompt is plain text
+        (``PromptTemplate(chat_template="auto")``, the default) or refused
+        (``"tokenizer"``).
     template : PromptTemplate, optional
         Default ``PromptTemplate()``.
     chat_template_kwargs : dict, optional
@@ -613,6 +890,12 @@ def encode(conversation, tokenizer, *, template=None, chat_template_kwargs=None,
         to pin a template that embeds today's date (see :func:`template_uses_date`).
     index : int, optional
         Position of the conversation in its list, used in error messages.
+    read : {"last", "mean", "recap", "echo"}, default="last"
+        The read the prompt is for. ``"recap"`` appends one recap line per turn
+        after the instruction and fills :attr:`Encoding.recap_positions`;
+        ``"echo"`` appends the turns a second time and fills
+        :attr:`Encoding.echo_positions`. Shortening (``shorten="middle_first"``)
+        budgets the whole prompt, recap lines or second copy included.
 
     Returns
     -------
@@ -623,8 +906,10 @@ def encode(conversation, tokenizer, *, template=None, chat_template_kwargs=None,
     TypeError
         Slow tokenizer, or ``conversation`` is not a Conversation.
     ValueError
-        The chat template fails or alters a turn line so it cannot be found
-        (the message names the turn); reserved ``chat_template_kwargs``.
+        The chat template fails or alters a turn line (or the recap lines, or the
+        second copy) so it cannot be found (the message names the turn); reserved
+        ``chat_template_kwargs``; unknown ``read``; no chat template with
+        ``chat_template="tokenizer"``.
     PromptTooLongError
         With ``shorten="middle_first"``, when even minimal turns do not fit.
 
@@ -649,17 +934,24 @@ def encode(conversation, tokenizer, *, template=None, chat_template_kwargs=None,
     if not isinstance(conversation, Conversation):
         raise TypeError(f"{_describe(conversation, index)} is a {type(conversation).__name__}, "
                         "not a skafa Conversation.")
+    _check_read(read)
     _check_tokenizer(tokenizer)
     kwargs = _check_kwargs(chat_template_kwargs)
     where = _describe(conversation, index)
-    if template_uses_date(tokenizer) and "date_string" not in kwargs:
+    if (template.rendering(tokenizer) == "chat" and template_uses_date(tokenizer)
+            and "date_string" not in kwargs):
         warnings.warn(
             f"The chat template of {getattr(tokenizer, 'name_or_path', '')!r} writes today's "
             "date, so prompts (and cached activations) change from day to day. Pin it with "
             "chat_template_kwargs={'date_string': '26 Jul 2024'} (or the variable your "
             "template uses).", UserWarning, stacklevel=2)
     _warn_special(conversation, tokenizer, where)
-    return _encode(conversation, tokenizer, template, kwargs, index)[0]
+    return _encode(conversation, tokenizer, template, kwargs, index, read=read)[0]
+
+
+def _check_read(read):
+    if not isinstance(read, str) or read not in READS:
+        raise ValueError(f"read must be one of {READS}, got {read!r}.")
 
 
 def _check_kwargs(chat_template_kwargs):
@@ -772,7 +1064,8 @@ class PromptPlan(Sequence):
                 f"chars_removed={self.total_chars_removed})")
 
 
-def plan(conversations, tokenizer, template=None, *, max_tokens, chat_template_kwargs=None):
+def plan(conversations, tokenizer, template=None, *, max_tokens, chat_template_kwargs=None,
+         read="last"):
     """Report, before running a model, which prompts fit ``max_tokens``.
 
     Renders and tokenizes every conversation exactly as extraction will (including
@@ -790,6 +1083,9 @@ def plan(conversations, tokenizer, template=None, *, max_tokens, chat_template_k
         The limit (usually the model's context length).
     chat_template_kwargs : dict, optional
         As in :func:`encode`.
+    read : {"last", "mean", "recap", "echo"}, default="last"
+        As in :func:`encode`: plan the prompt of that read (``"recap"`` and
+        ``"echo"`` prompts are longer, and shortening counts their extra text).
 
     Returns
     -------
@@ -809,9 +1105,11 @@ def plan(conversations, tokenizer, template=None, *, max_tokens, chat_template_k
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) \
             or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}.")
+    _check_read(read)
     _check_tokenizer(tokenizer)
     kwargs = _check_kwargs(chat_template_kwargs)
-    if template_uses_date(tokenizer) and "date_string" not in kwargs:
+    if (template.rendering(tokenizer) == "chat" and template_uses_date(tokenizer)
+            and "date_string" not in kwargs):
         warnings.warn("The chat template writes today's date; pin it with "
                       "chat_template_kwargs={'date_string': ...}.", UserWarning, stacklevel=2)
     rows = []
@@ -819,7 +1117,7 @@ def plan(conversations, tokenizer, template=None, *, max_tokens, chat_template_k
         if not isinstance(conv, Conversation):
             raise TypeError(f"{_describe(conv, i)} is a {type(conv).__name__}, not a "
                             "skafa Conversation.")
-        enc, ok = _encode(conv, tokenizer, template, kwargs, i, strict=False)
+        enc, ok = _encode(conv, tokenizer, template, kwargs, i, strict=False, read=read)
         rows.append({
             "index": i,
             "task_id": conv.task_id,

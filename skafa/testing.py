@@ -7,8 +7,8 @@ without network access:
   tokenizes, no unknown tokens, exact character offsets) with ChatML special
   tokens and a ChatML chat template like SmolLM2's, or a Llama-3-style template
   that embeds today's date (``date_in_template=True``).
-- :func:`make_tiny_llama`, :func:`make_tiny_qwen2`, :func:`make_tiny_gemma` —
-  randomly initialised causal LMs (float32, eval mode, eager attention,
+- :func:`make_tiny_llama`, :func:`make_tiny_qwen2`, :func:`make_tiny_gemma`,
+  :func:`make_tiny_gemma3` — randomly initialised causal LMs (float32, eval mode, eager attention,
   gradients off) whose vocabulary matches the tiny tokenizer.
 - :func:`make_conversations` — synthetic labelled multi-agent
   :class:`~skafa.conversation.Conversation` objects with repeated task ids.
@@ -43,6 +43,7 @@ __all__ = [
     "make_tiny_llama",
     "make_tiny_qwen2",
     "make_tiny_gemma",
+    "make_tiny_gemma3",
     "make_conversations",
 ]
 
@@ -337,6 +338,38 @@ def make_tiny_gemma(vocab_size=None, n_layers=2, hidden=32, seed=0,
                  max_position_embeddings)
     config = Gemma2Config(**kw, head_dim=hidden // n_heads,
                           query_pre_attn_scalar=hidden // n_heads, sliding_window=64)
+    return _build(config, seed)
+
+
+def make_tiny_gemma3(vocab_size=None, n_layers=2, hidden=32, seed=0,
+                     max_position_embeddings=512, *, n_heads=4, n_kv_heads=2,
+                     intermediate=None, sliding_window=64):
+    """Build a random Gemma-3 text causal LM (the Gemma-3-270M architecture), tiny.
+
+    Same parameters and return conventions as :func:`make_tiny_llama`. Like
+    Gemma-2 it scales embeddings and has sandwich norms; Gemma-3 adds query/key
+    norms and, as in the real model, puts one global-attention layer after
+    every five sliding-window layers (here: the last of every six layers, and
+    always the last layer, so a two-layer model has one of each).
+
+    Parameters
+    ----------
+    sliding_window : int, default=64
+        Window of the sliding-attention layers.
+
+    Returns
+    -------
+    model : transformers.Gemma3ForCausalLM
+    """
+    from transformers import Gemma3TextConfig
+
+    kw = _common(vocab_size, n_layers, hidden, n_heads, n_kv_heads, intermediate,
+                 max_position_embeddings)
+    layer_types = ["full_attention" if (i + 1) % 6 == 0 or i == n_layers - 1
+                   else "sliding_attention" for i in range(n_layers)]
+    config = Gemma3TextConfig(**kw, head_dim=hidden // n_heads,
+                              query_pre_attn_scalar=hidden // n_heads,
+                              sliding_window=int(sliding_window), layer_types=layer_types)
     return _build(config, seed)
 
 

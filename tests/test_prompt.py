@@ -186,11 +186,13 @@ def test_slow_tokenizer_rejected():
         plan(make_conversations(1), SlowTok(), max_tokens=10)
 
 
-def test_tokenizer_without_chat_template_rejected():
+def test_tokenizer_without_chat_template_rejected_or_rendered_plain():
     t = make_tiny_tokenizer()
     t.chat_template = None
     with pytest.raises(ValueError, match="no chat_template"):
-        encode(make_conversations(1)[0], t)
+        encode(make_conversations(1)[0], t, template=PromptTemplate(chat_template="tokenizer"))
+    # The default, chat_template="auto", renders plain text (see test_read_recap_echo.py).
+    assert encode(make_conversations(1)[0], t).rendering == "plain"
 
 
 def test_template_that_rewrites_text_names_the_turn():
