@@ -32,6 +32,7 @@ _LAZY = {
     # estimators
     "GroupedArgmaxClassifier": "probes",
     "GroupedArgmaxLogisticClassifier": "probes",
+    "GroupedSoftmaxClassifier": "probes",
     "PerTurn": "composition",
     "SiteSelector": "selection",
     "site_sweep": "selection",

@@ -150,6 +150,7 @@ _DEFAULT_CLASSES = (
     "skafa.composition.PerTurn",
     "skafa.probes.GroupedArgmaxClassifier",
     "skafa.probes.GroupedArgmaxLogisticClassifier",
+    "skafa.probes.GroupedSoftmaxClassifier",
     "skafa.selection.SiteSelector",
     "skafa.judge.PromptedJudge",
     "skafa.attributor.FailureAttributor",
