@@ -35,6 +35,7 @@ _LAZY = {
     "GroupedSoftmaxClassifier": "probes",
     "PerTurn": "composition",
     "SiteSelector": "selection",
+    "SiteEnsemble": "selection",
     "site_sweep": "selection",
     # featurizers, composition, dummies
     "TurnPositionTransformer": "featurizers",

@@ -152,6 +152,7 @@ _DEFAULT_CLASSES = (
     "skafa.probes.GroupedArgmaxLogisticClassifier",
     "skafa.probes.GroupedSoftmaxClassifier",
     "skafa.selection.SiteSelector",
+    "skafa.selection.SiteEnsemble",
     "skafa.judge.PromptedJudge",
     "skafa.attributor.FailureAttributor",
     # scikit-learn estimators
