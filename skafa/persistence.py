@@ -153,6 +153,7 @@ _DEFAULT_CLASSES = (
     "skafa.probes.GroupedSoftmaxClassifier",
     "skafa.selection.SiteSelector",
     "skafa.selection.SiteEnsemble",
+    "skafa.stacking.TurnScoreStacker",
     "skafa.judge.PromptedJudge",
     "skafa.attributor.FailureAttributor",
     # scikit-learn estimators

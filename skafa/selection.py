@@ -105,6 +105,30 @@ def _check_no_fixed_site(estimator, owner):
         )
 
 
+def _grouped_splits(cv, X, y, split_params, task_ids):
+    """``list(cv.split(X, y, **split_params))``, grouping by task ids by default.
+
+    Without ``groups`` in ``split_params``, complete ``task_ids`` (one per
+    conversation, none missing) become the groups, unless ``cv`` ignores groups;
+    a splitter that still lacks groups gets an error saying how to give them.
+    """
+    split_params = dict(split_params)
+    if (split_params.get("groups") is None and task_ids is not None
+            and not _ignores_groups(cv)):
+        if all(t is not None for t in task_ids):
+            split_params["groups"] = task_ids
+    try:
+        return list(cv.split(X, y, **split_params))
+    except ValueError as exc:
+        if split_params.get("groups") is None and "group" in str(exc).lower():
+            raise ValueError(
+                f"the splitter {cv!r} needs groups: pass groups=<task ids> to fit "
+                "(routed automatically with metadata routing), give X task_ids, "
+                "or use an ungrouped splitter such as KFold."
+            ) from exc
+        raise
+
+
 def _index_params(params, indices, n_samples):
     """Slice the sample-aligned entries of ``params`` (like sklearn's CV does)."""
     out = {}
@@ -403,21 +427,7 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
         cv = _check_site_cv(self.cv)
         scorer = _get_scorer(self.estimator, self.scoring)
         split_params, fit_params = self._split_and_fit_params(groups, params)
-
-        if (split_params.get("groups") is None and X.task_ids is not None
-                and not _ignores_groups(cv)):
-            if all(t is not None for t in X.task_ids):
-                split_params["groups"] = X.task_ids
-        try:
-            splits = list(cv.split(X, y, **split_params))
-        except ValueError as exc:
-            if split_params.get("groups") is None and "group" in str(exc).lower():
-                raise ValueError(
-                    f"the splitter {cv!r} needs groups: pass groups=<task ids> to fit "
-                    "(routed automatically with metadata routing), give X task_ids, "
-                    "or use an ungrouped splitter such as KFold."
-                ) from exc
-            raise
+        splits = _grouped_splits(cv, X, y, split_params, X.task_ids)
         n_splits = len(splits)
         if self.verbose > 0:
             print(
