@@ -803,3 +803,34 @@ class GroupedSoftmaxClassifier(_BaseGroupedArgmax):
     def _raw_turn_scores(self, M):
         scores = M @ self.coef_.ravel()
         return np.asarray(scores, dtype=np.float64).ravel()
+
+    def turn_decision_function(self, X):
+        """Logit of every turn, ``x @ coef_.ravel()``, per conversation.
+
+        Parameters
+        ----------
+        X : TurnFeatures
+
+        Returns
+        -------
+        scores : list of ndarray of shape (n_turns_i,)
+            One 1-D float array per conversation.
+        """
+        return super().turn_decision_function(X)
+
+    def turn_predict_proba(self, X):
+        """The model's probability that each turn is the decisive one.
+
+        The softmax of :meth:`turn_decision_function` over the turns of each
+        conversation: the distribution the model was fitted to.
+
+        Parameters
+        ----------
+        X : TurnFeatures
+
+        Returns
+        -------
+        proba : list of ndarray of shape (n_turns_i,)
+            One array per conversation, positive, summing to 1.
+        """
+        return super().turn_predict_proba(X)

@@ -114,9 +114,8 @@ def _grouped_splits(cv, X, y, split_params, task_ids):
     """
     split_params = dict(split_params)
     if (split_params.get("groups") is None and task_ids is not None
-            and not _ignores_groups(cv)):
-        if all(t is not None for t in task_ids):
-            split_params["groups"] = task_ids
+            and not _ignores_groups(cv) and all(t is not None for t in task_ids)):
+        split_params["groups"] = task_ids
     try:
         return list(cv.split(X, y, **split_params))
     except ValueError as exc:

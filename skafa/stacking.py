@@ -399,7 +399,8 @@ class TurnScoreStacker(MetaEstimatorMixin, _BaseComposition):
         -------
         steps : ndarray of int, shape (n_conversations,)
         """
-        return self.final_estimator_.predict(self._stacked(X))
+        Z = self._stacked(X)
+        return self.final_estimator_.predict(Z)
 
     def predict_agent(self, X):
         """Speaker of the predicted decisive turn of every conversation.
@@ -413,7 +414,8 @@ class TurnScoreStacker(MetaEstimatorMixin, _BaseComposition):
         -------
         agents : ndarray of object, shape (n_conversations,)
         """
-        return self.final_estimator_.predict_agent(self._stacked(X))
+        Z = self._stacked(X)
+        return self.final_estimator_.predict_agent(Z)
 
     def turn_decision_function(self, X):
         """Final estimator's per-turn scores (list of 1-D arrays).
@@ -426,7 +428,8 @@ class TurnScoreStacker(MetaEstimatorMixin, _BaseComposition):
         -------
         scores : list of ndarray of shape (n_turns_i,)
         """
-        return self.final_estimator_.turn_decision_function(self._stacked(X))
+        Z = self._stacked(X)
+        return self.final_estimator_.turn_decision_function(Z)
 
     def turn_predict_proba(self, X):
         """Final estimator's per-turn probabilities (list of 1-D arrays).
@@ -440,7 +443,8 @@ class TurnScoreStacker(MetaEstimatorMixin, _BaseComposition):
         proba : list of ndarray of shape (n_turns_i,)
             One array per conversation, summing to 1.
         """
-        return self.final_estimator_.turn_predict_proba(self._stacked(X))
+        Z = self._stacked(X)
+        return self.final_estimator_.turn_predict_proba(Z)
 
     def score(self, X, y, sample_weight=None):
         """Final estimator's score (step accuracy for skafa estimators).
@@ -486,5 +490,4 @@ class TurnScoreStacker(MetaEstimatorMixin, _BaseComposition):
         tags = super().__sklearn_tags__()
         # Not a classifier: the label is a turn position (see skafa.probes).
         tags.target_tags.required = True
-        tags.input_tags.two_d_array = False
         return tags

@@ -40,7 +40,7 @@ def test_averaging_beats_single_site_when_signal_is_spread():
     for seed in range(2):
         X_tr, y_tr = spread(40, seed=seed)
         X_te, y_te = spread(200, seed=50 + seed)
-        kw = dict(cv=GroupKFold(3))
+        kw = {"cv": GroupKFold(3)}
         single.append(SiteSelector(GroupedSoftmaxClassifier(), **kw).fit(X_tr, y_tr)
                       .score(X_te, y_te))
         averaged.append(SiteSelector(GroupedSoftmaxClassifier(), n_sites=4, **kw)
@@ -118,7 +118,7 @@ def test_top_k_follow_the_inner_cv_ranking_with_stable_ties():
 class _SpyProbe(GroupedSoftmaxClassifier):
     """Records the task ids of every fit and score call (class-level log)."""
 
-    log = []
+    log: list = []  # noqa: RUF012 - a test spy shared by the clones
 
     def fit(self, X, y, groups=None):
         type(self).log.append(("fit", set(X.task_ids)))

@@ -82,7 +82,7 @@ class Memoriser(BaseEstimator):
 # ------------------------------------------------------------------ leakage
 def test_memorising_base_gets_no_weight_from_out_of_fold_scores():
     X, y = two_views(60, seed=1)
-    X_te, y_te = two_views(200, seed=2)
+    X_te, _ = two_views(200, seed=2)
     stack = TurnScoreStacker([("honest", view("a")), ("memo", Memoriser())],
                              cv=GroupKFold(4)).fit(X, y)
     coef = dict(zip(stack.feature_names_, stack.final_estimator_.coef_.ravel()))
