@@ -32,8 +32,11 @@ _LAZY = {
     # estimators
     "GroupedArgmaxClassifier": "probes",
     "GroupedArgmaxLogisticClassifier": "probes",
+    "GroupedSoftmaxClassifier": "probes",
     "PerTurn": "composition",
     "SiteSelector": "selection",
+    "SiteEnsemble": "selection",
+    "TurnScoreStacker": "stacking",
     "site_sweep": "selection",
     # featurizers, composition, dummies
     "TurnPositionTransformer": "featurizers",
@@ -55,7 +58,7 @@ _LAZY = {
 _SUBMODULES = {
     "attributor", "baselines", "cache", "composition", "datasets", "dummies", "estimators",
     "extraction", "features", "featurizers", "judge", "metrics", "models", "persistence",
-    "pipeline", "probes", "prompt", "selection", "sites", "testing", "utils",
+    "pipeline", "probes", "prompt", "selection", "sites", "stacking", "testing", "utils",
 }
 
 __all__ = ["__version__", "Conversation", "ConversationError", "Turn", "TurnFeatures",

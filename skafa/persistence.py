@@ -150,7 +150,10 @@ _DEFAULT_CLASSES = (
     "skafa.composition.PerTurn",
     "skafa.probes.GroupedArgmaxClassifier",
     "skafa.probes.GroupedArgmaxLogisticClassifier",
+    "skafa.probes.GroupedSoftmaxClassifier",
     "skafa.selection.SiteSelector",
+    "skafa.selection.SiteEnsemble",
+    "skafa.stacking.TurnScoreStacker",
     "skafa.judge.PromptedJudge",
     "skafa.attributor.FailureAttributor",
     # scikit-learn estimators

@@ -10,6 +10,9 @@ with the highest score.
 - :class:`GroupedArgmaxClassifier` wraps any binary estimator.
 - :class:`GroupedArgmaxLogisticClassifier` is the standardized logistic-regression
   probe (the default model of the package).
+- :class:`GroupedSoftmaxClassifier` is the listwise alternative: a conditional-logit
+  model fitted to the task itself (one decisive turn per conversation, a softmax
+  over its turns) instead of a binary problem on turn rows.
 
 These are deliberately *not* scikit-learn classifiers: there is no fixed label set
 (the label is a position inside each conversation), so they define no ``classes_``,
@@ -22,11 +25,14 @@ no ``decision_function``/``predict_proba`` with ``n_samples`` rows, and their
 # Authors: The skafa developers
 # SPDX-License-Identifier: MIT
 
+import warnings
 from numbers import Integral, Real
 
 import numpy as np
 import scipy.sparse as sp
+from scipy.optimize import minimize
 from sklearn.base import BaseEstimator, MetaEstimatorMixin, clone
+from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import StandardScaler
@@ -34,7 +40,12 @@ from sklearn.utils import get_tags, metadata_routing
 from sklearn.utils.validation import check_is_fitted
 
 from .metrics import step_accuracy
-from .utils._grouped import grouped_argmax, grouped_normalise, grouped_softmax
+from .utils._grouped import (
+    grouped_argmax,
+    grouped_logsumexp,
+    grouped_normalise,
+    grouped_softmax,
+)
 from .utils._sklearn_compat import (
     HasMethods,
     Interval,
@@ -53,6 +64,7 @@ from .utils._validation import (
 __all__ = [
     "GroupedArgmaxClassifier",
     "GroupedArgmaxLogisticClassifier",
+    "GroupedSoftmaxClassifier",
 ]
 
 
@@ -65,7 +77,10 @@ class _BaseGroupedArgmax(BaseEstimator):
     """Shared logic: flatten turns, fit a binary model, argmax per conversation.
 
     Subclasses provide ``_make_turn_estimator(M)`` returning an unfitted binary
-    estimator for the 2-D turn matrix ``M``, and may extend ``_after_fit``.
+    estimator for the 2-D turn matrix ``M``, and may extend ``_after_fit``. A
+    subclass that fits its own turn model instead (:class:`GroupedSoftmaxClassifier`)
+    overrides ``fit`` and ``_raw_turn_scores`` and reuses the rest (site handling,
+    input checks, ``predict``, ``turn_*`` methods, ``score``).
     """
 
     # ``groups`` is in the signature of ``fit`` for API uniformity only; marking it
@@ -547,3 +562,275 @@ class GroupedArgmaxLogisticClassifier(_BaseGroupedArgmax):
             self.coef_ = logistic.coef_.copy()
             self.intercept_ = logistic.intercept_.copy()
         self.n_iter_ = logistic.n_iter_
+
+
+# ---------------------------------------------------------------------------
+# Listwise probe
+# ---------------------------------------------------------------------------
+
+
+def _softmax_objective(w, Z, offsets, target, alpha):
+    """Mean conditional-logit loss plus ``alpha / 2 * ||w||^2``, and its gradient.
+
+    ``Z`` holds the turn rows (dense or sparse), ``offsets`` the conversation
+    boundaries and ``target`` the row index of each decisive turn. With
+    ``p = softmax(Z @ w)`` within each conversation and ``E`` the one-hot rows of
+    the decisive turns, the gradient of the mean loss is ``Z.T @ (p - E) / n``.
+    """
+    n = offsets.size - 1
+    z = np.asarray(Z @ w, dtype=np.float64).ravel()
+    lse = grouped_logsumexp(z, offsets)
+    loss = (lse.sum() - z[target].sum()) / n + 0.5 * alpha * (w @ w)
+    residual = np.exp(z - np.repeat(lse, np.diff(offsets)))
+    residual[target] -= 1.0
+    grad = np.asarray(Z.T @ residual, dtype=np.float64).ravel() / n + alpha * w
+    return loss, grad
+
+
+class GroupedSoftmaxClassifier(_BaseGroupedArgmax):
+    """Listwise (conditional-logit) probe: a softmax over the turns of each run.
+
+    Each conversation has exactly one decisive turn, so the model scores every
+    turn linearly, ``s_t = x_t @ w``, and treats the softmax of those scores
+    over the turns of a conversation as the probability that each turn is the
+    decisive one. The weights maximise the penalised likelihood of the
+    observed decisive turns. Unlike :class:`GroupedArgmaxLogisticClassifier`,
+    which separates decisive from other turn rows pooled over all
+    conversations, only differences *between turns of the same conversation*
+    enter the model; the predicted step is the highest-scoring turn (earliest
+    on ties).
+
+    Parameters
+    ----------
+    C : float, default=1.0
+        Inverse of the L2 regularization strength (see Notes for the exact
+        objective). Large values leave the likelihood nearly unpenalised.
+    standardize : bool, default=True
+        Divide every feature by its standard deviation over the training turn
+        rows (:class:`~sklearn.preprocessing.StandardScaler` with
+        ``with_mean=False``) before fitting, so that ``C`` penalises all
+        features alike. Centring is omitted on purpose: it adds the same
+        constant to every turn score of a conversation, which the softmax
+        ignores. ``coef_`` is reported in the original units either way.
+    max_iter : int, default=1000
+        Maximum number of L-BFGS iterations.
+    tol : float, default=1e-4
+        L-BFGS stops when the largest absolute component of the gradient of the
+        scaled objective (see Notes) falls below ``tol``.
+    site : str or int, default=None
+        Site block of ``X`` to read; see :class:`GroupedArgmaxClassifier`.
+    verbose : int, default=0
+        With a positive value, print the objective every ``verbose``
+        iterations and a summary line at the end.
+
+    Attributes
+    ----------
+    coef_ : ndarray of shape (1, n_features)
+        Weights in the *original* (unstandardized) feature space: the turn
+        score is ``x @ coef_.ravel()``. There is no intercept: a constant
+        added to every turn of a conversation cancels in the softmax.
+    scaler_ : StandardScaler or None
+        The fitted scaler (``with_mean=False``), ``None`` when
+        ``standardize=False``.
+    n_iter_ : ndarray of shape (1,)
+        Number of L-BFGS iterations run.
+    objective_ : float
+        Final value of the scaled objective (see Notes).
+    response_method_ : str
+        Always ``"decision_function"`` (the turn scores are logits).
+    site_ : str
+        Name of the site block used in ``fit``.
+    n_features_in_ : int
+        Number of features per turn.
+
+    See Also
+    --------
+    GroupedArgmaxLogisticClassifier : Pointwise (per-turn binary) probe.
+    skafa.SiteSelector : Choose the site by grouped cross-validation.
+
+    Notes
+    -----
+    With ``z_i`` the standardized turn rows of conversation ``i`` (all
+    ``n`` training conversations), ``y_i`` its decisive turn and
+    ``NLL_i(w) = log(sum_t exp(z_i[t] @ w)) - z_i[y_i] @ w``, the fitted weights
+    minimise, as in scikit-learn's ``LogisticRegression``::
+
+        0.5 * ||w||^2  +  C * sum_{i=1..n} NLL_i(w)
+
+    The solver (:func:`scipy.optimize.minimize`, ``method="L-BFGS-B"``, with
+    the exact gradient) works on the same objective divided by ``C * n``, the
+    mean loss plus ``||w||^2 / (2 C n)``, so that ``tol`` does not depend on
+    the number of conversations; ``objective_`` is that scaled value. The
+    log-sum-exp is computed stably and the model is fitted in float64.
+
+    Conversations with a single turn contribute nothing (their only turn has
+    probability one whatever the weights). A feature that is constant within
+    every conversation (for example the conversation's length) gets weight
+    zero: it cannot tell turns of a conversation apart.
+
+    :meth:`turn_predict_proba` returns the model's own softmax, which sums to
+    one over the turns of each conversation.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skafa import TurnFeatures
+    >>> from skafa.probes import GroupedSoftmaxClassifier
+    >>> rng = np.random.default_rng(0)
+    >>> offsets = np.arange(0, 41, 4)             # 10 conversations x 4 turns
+    >>> values = rng.normal(size=(40, 3))
+    >>> y = rng.integers(0, 4, size=10)
+    >>> values[offsets[:-1] + y, 0] += 5.0        # the decisive turn stands out
+    >>> X = TurnFeatures(values, offsets)
+    >>> probe = GroupedSoftmaxClassifier(C=10.0).fit(X, y)
+    >>> probe.score(X, y)
+    1.0
+    >>> proba = probe.turn_predict_proba(X)
+    >>> bool(np.allclose([p.sum() for p in proba], 1.0))
+    True
+    """
+
+    _parameter_constraints: dict = {
+        **_BaseGroupedArgmax._parameter_constraints,
+        "C": [Interval(Real, 0, None, closed="neither")],
+        "standardize": ["boolean"],
+        "max_iter": [Interval(Integral, 1, None, closed="left")],
+        "tol": [Interval(Real, 0, None, closed="left")],
+        "verbose": ["verbose"],
+    }
+
+    def __init__(self, *, C=1.0, standardize=True, max_iter=1000, tol=1e-4, site=None,
+                 verbose=0):
+        self.C = C
+        self.standardize = standardize
+        self.max_iter = max_iter
+        self.tol = tol
+        self.site = site
+        self.verbose = verbose
+
+    def _design(self, M, *, fitting):
+        """Turn rows as float64, divided by the training standard deviations."""
+        if sp.issparse(M):
+            M = sp.csr_matrix(M, dtype=np.float64)
+        else:
+            M = np.asarray(M, dtype=np.float64)
+        if fitting:
+            self.scaler_ = (
+                StandardScaler(with_mean=False).fit(M) if self.standardize else None
+            )
+        return M if self.scaler_ is None else self.scaler_.transform(M)
+
+    @_fit_context(prefer_skip_nested_validation=True)
+    def fit(self, X, y, groups=None):
+        """Fit the conditional-logit model by L-BFGS.
+
+        Parameters
+        ----------
+        X : TurnFeatures
+            Per-turn features; one entry per conversation. With several sites,
+            ``site`` selects the block to read.
+        y : array-like of int, shape (n_conversations,)
+            Index of the decisive turn of each conversation.
+        groups : array-like, default=None
+            Ignored; accepted so every conversation-level estimator shares
+            ``fit(X, y, groups=None)`` (groups only feed splitters).
+
+        Returns
+        -------
+        self : object
+            Fitted estimator.
+        """
+        X, site, M = self._turn_matrix(X, fitting=True)
+        y = check_steps(y, X)
+        if np.all(X.n_turns == 1):
+            raise ValueError(
+                "every training conversation has a single turn, so there is no "
+                "choice between turns to learn from; provide conversations with at "
+                "least two turns."
+            )
+        Z = self._design(M, fitting=True)
+        target = X.global_turn_index(y)
+        offsets = X.offsets
+        alpha = 1.0 / (self.C * X.n_conversations)
+
+        callback = None
+        if self.verbose:
+            state = {"it": 0}
+
+            def callback(intermediate_result):
+                state["it"] += 1
+                if state["it"] % int(self.verbose) == 0:
+                    print(f"[GroupedSoftmaxClassifier] iteration {state['it']:4d}: "
+                          f"objective={intermediate_result.fun:.6g}", flush=True)
+
+        result = minimize(
+            _softmax_objective,
+            np.zeros(Z.shape[1], dtype=np.float64),
+            args=(Z, offsets, target, alpha),
+            method="L-BFGS-B",
+            jac=True,
+            callback=callback,
+            options={
+                "maxiter": int(self.max_iter),
+                "gtol": float(self.tol),
+                "ftol": 64 * np.finfo(np.float64).eps,
+                "maxls": 50,
+            },
+        )
+        if not result.success:
+            warnings.warn(
+                f"GroupedSoftmaxClassifier: L-BFGS did not converge in {result.nit} "
+                f"iterations ({result.message}). Increase max_iter, raise tol, or "
+                "lower C.",
+                ConvergenceWarning,
+            )
+        if self.verbose:
+            print(f"[GroupedSoftmaxClassifier] {result.nit} iterations, "
+                  f"objective={result.fun:.6g}, converged={bool(result.success)}",
+                  flush=True)
+
+        w = np.asarray(result.x, dtype=np.float64)
+        if self.scaler_ is not None:
+            w = w / self.scaler_.scale_
+        self.coef_ = w.reshape(1, -1)
+        self.n_iter_ = np.array([result.nit], dtype=np.int32)
+        self.objective_ = float(result.fun)
+        self.response_method_ = "decision_function"
+        self.site_ = site
+        self.n_features_in_ = int(M.shape[1])
+        return self
+
+    def _raw_turn_scores(self, M):
+        scores = M @ self.coef_.ravel()
+        return np.asarray(scores, dtype=np.float64).ravel()
+
+    def turn_decision_function(self, X):
+        """Logit of every turn, ``x @ coef_.ravel()``, per conversation.
+
+        Parameters
+        ----------
+        X : TurnFeatures
+
+        Returns
+        -------
+        scores : list of ndarray of shape (n_turns_i,)
+            One 1-D float array per conversation.
+        """
+        return super().turn_decision_function(X)
+
+    def turn_predict_proba(self, X):
+        """The model's probability that each turn is the decisive one.
+
+        The softmax of :meth:`turn_decision_function` over the turns of each
+        conversation: the distribution the model was fitted to.
+
+        Parameters
+        ----------
+        X : TurnFeatures
+
+        Returns
+        -------
+        proba : list of ndarray of shape (n_turns_i,)
+            One array per conversation, positive, summing to 1.
+        """
+        return super().turn_predict_proba(X)

@@ -2,8 +2,11 @@
 
 :class:`SiteSelector` cross-validates one estimator per site block of a
 :class:`~skafa.TurnFeatures` and keeps the best site, like a
-:class:`~sklearn.model_selection.GridSearchCV` over the site. :func:`site_sweep`
-scores every site on a separate test set for analysis curves.
+:class:`~sklearn.model_selection.GridSearchCV` over the site (or, with
+``n_sites=k``, the ``k`` best sites, averaged by a :class:`SiteEnsemble`).
+:class:`SiteEnsemble` averages standardized turn scores of one estimator fitted
+at each of several given sites. :func:`site_sweep` scores every site on a
+separate test set for analysis curves.
 """
 
 # Authors: The skafa developers
@@ -29,9 +32,12 @@ from sklearn.utils.metaestimators import available_if
 from sklearn.utils.parallel import Parallel, delayed
 from sklearn.utils.validation import check_is_fitted
 
-from .metrics import SCORERS
+from .composition import final_step_call
+from .metrics import SCORERS, step_accuracy
+from .utils._grouped import grouped_argmax, grouped_center, grouped_softmax
 from .utils._sklearn_compat import (
     HasMethods,
+    Interval,
     StrOptions,
     _fit_context,
     _routing_enabled,
@@ -39,7 +45,7 @@ from .utils._sklearn_compat import (
 )
 from .utils._validation import check_steps, check_turn_features
 
-__all__ = ["SiteSelector", "site_sweep"]
+__all__ = ["SiteSelector", "SiteEnsemble", "site_sweep"]
 
 
 def _ignores_groups(cv):
@@ -99,6 +105,29 @@ def _check_no_fixed_site(estimator, owner):
         )
 
 
+def _grouped_splits(cv, X, y, split_params, task_ids):
+    """``list(cv.split(X, y, **split_params))``, grouping by task ids by default.
+
+    Without ``groups`` in ``split_params``, complete ``task_ids`` (one per
+    conversation, none missing) become the groups, unless ``cv`` ignores groups;
+    a splitter that still lacks groups gets an error saying how to give them.
+    """
+    split_params = dict(split_params)
+    if (split_params.get("groups") is None and task_ids is not None
+            and not _ignores_groups(cv) and all(t is not None for t in task_ids)):
+        split_params["groups"] = task_ids
+    try:
+        return list(cv.split(X, y, **split_params))
+    except ValueError as exc:
+        if split_params.get("groups") is None and "group" in str(exc).lower():
+            raise ValueError(
+                f"the splitter {cv!r} needs groups: pass groups=<task ids> to fit "
+                "(routed automatically with metadata routing), give X task_ids, "
+                "or use an ungrouped splitter such as KFold."
+            ) from exc
+        raise
+
+
 def _index_params(params, indices, n_samples):
     """Slice the sample-aligned entries of ``params`` (like sklearn's CV does)."""
     out = {}
@@ -151,6 +180,23 @@ def _nan_std(a):
         return np.nanstd(a, axis=1)
 
 
+def _top_sites(sites, filled_means, failed, k):
+    """The ``k`` best sites by mean score, best first; earliest first on ties.
+
+    Sites whose mean is NaN (``failed``) are never kept; if fewer than ``k``
+    remain, a warning says so and the remaining ones are returned.
+    """
+    order = np.argsort(-filled_means, kind="stable")
+    keep = [int(i) for i in order if not failed[i]][:k]
+    if len(keep) < k:
+        warnings.warn(
+            f"n_sites={k} but only {len(keep)} site(s) have a finite mean "
+            f"cross-validation score; averaging over {[sites[i] for i in keep]}.",
+            UserWarning,
+        )
+    return tuple(sites[i] for i in keep)
+
+
 def _estimator_has(attr):
     """Check the fitted best estimator, else the unfitted one, for ``attr``."""
 
@@ -171,7 +217,8 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
     cross-validated on ``X.select_sites(site)`` with the same splits; the site
     with the best mean test score wins and a clone is refitted on all the
     training conversations at that site. Prediction methods read that site of
-    their input.
+    their input. With ``n_sites=k > 1`` the ``k`` best sites are kept and their
+    standardized turn scores averaged (see :class:`SiteEnsemble`).
 
     Parameters
     ----------
@@ -206,17 +253,34 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
         Score recorded when a fit or score fails at some (site, fold); a
         :class:`~sklearn.exceptions.FitFailedWarning` is issued. ``"raise"``
         re-raises the error. Sites whose mean is NaN rank last.
+    n_sites : int, default=1
+        Number of best-ranked sites to keep. ``1`` is the plain selection.
+        With ``k > 1`` the refitted ``best_estimator_`` is a
+        :class:`SiteEnsemble` over the ``k`` sites with the highest mean
+        cross-validated score (earliest in ``sites`` order on ties; sites
+        whose mean is NaN are never kept); it fits a clone at each of them
+        and predicts from the mean of their standardized turn scores. The
+        ranking is the same inner cross-validation as for ``k=1`` (training
+        data only); the averaged model itself is not cross-validated, so
+        tune ``n_sites`` in an outer search if needed.
 
     Attributes
     ----------
     best_site_ : str
-        The chosen site.
+        The chosen site (with ``n_sites > 1``, the best-ranked of
+        ``best_sites_``).
+    best_sites_ : tuple of str
+        The ``n_sites`` kept sites, best first (``(best_site_,)`` when
+        ``n_sites=1``).
     best_index_ : int
         Index of ``best_site_`` in ``cv_results_``.
     best_score_ : float
         Mean cross-validated score at ``best_site_``.
     best_estimator_ : estimator object
-        Estimator refitted on all the data at ``best_site_`` (``refit=True``).
+        Estimator refitted on all the data at ``best_site_`` (``refit=True``);
+        with ``n_sites > 1``, a fitted :class:`SiteEnsemble` over
+        ``best_sites_`` (its ``estimators_`` holds one refitted estimator per
+        site).
     cv_results_ : dict of ndarray
         One entry per site, like :class:`~sklearn.model_selection.GridSearchCV`:
         ``site``, ``params`` (``{"site": name}``), ``split{k}_test_score``,
@@ -236,6 +300,7 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
 
     See Also
     --------
+    SiteEnsemble : Average standardized turn scores over given sites.
     site_sweep : Train-on-one-set, score-on-another per site (analysis only).
 
     Notes
@@ -275,6 +340,9 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
     >>> sel = SiteSelector(GroupedArgmaxLogisticClassifier(), cv=GroupKFold(4))
     >>> sel.fit(X, y, groups=groups).best_site_
     'b'
+    >>> top2 = SiteSelector(GroupedArgmaxLogisticClassifier(), cv=GroupKFold(4), n_sites=2)
+    >>> top2.fit(X, y, groups=groups).best_sites_[0], len(top2.best_sites_)
+    ('b', 2)
     """
 
     _parameter_constraints: dict = {
@@ -286,6 +354,7 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
         "refit": ["boolean"],
         "verbose": ["verbose"],
         "error_score": [StrOptions({"raise"}), Real],
+        "n_sites": [Interval(Integral, 1, None, closed="left")],
     }
 
     def __init__(
@@ -299,6 +368,7 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
         refit=True,
         verbose=0,
         error_score=np.nan,
+        n_sites=1,
     ):
         self.estimator = estimator
         self.sites = sites
@@ -308,6 +378,7 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
         self.refit = refit
         self.verbose = verbose
         self.error_score = error_score
+        self.n_sites = n_sites
 
     # ------------------------------------------------------------------ fitting
     def _split_and_fit_params(self, groups, params):
@@ -346,25 +417,16 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
         X = check_turn_features(X, self)
         y = check_steps(y, X)
         sites = _resolve_sites(self.sites, X)
+        if self.n_sites > len(sites):
+            raise ValueError(
+                f"n_sites={self.n_sites} exceeds the {len(sites)} sites compared "
+                f"({list(sites)})."
+            )
         _check_no_fixed_site(self.estimator, type(self).__name__)
         cv = _check_site_cv(self.cv)
         scorer = _get_scorer(self.estimator, self.scoring)
         split_params, fit_params = self._split_and_fit_params(groups, params)
-
-        if (split_params.get("groups") is None and X.task_ids is not None
-                and not _ignores_groups(cv)):
-            if all(t is not None for t in X.task_ids):
-                split_params["groups"] = X.task_ids
-        try:
-            splits = list(cv.split(X, y, **split_params))
-        except ValueError as exc:
-            if split_params.get("groups") is None and "group" in str(exc).lower():
-                raise ValueError(
-                    f"the splitter {cv!r} needs groups: pass groups=<task ids> to fit "
-                    "(routed automatically with metadata routing), give X task_ids, "
-                    "or use an ungrouped splitter such as KFold."
-                ) from exc
-            raise
+        splits = _grouped_splits(cv, X, y, split_params, X.task_ids)
         n_splits = len(splits)
         if self.verbose > 0:
             print(
@@ -426,11 +488,17 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
         self.best_index_ = best_index
         self.best_site_ = sites[best_index]
         self.best_score_ = float(means[best_index])
+        self.best_sites_ = _top_sites(sites, filled, np.isnan(means), self.n_sites)
         if self.refit:
             start = time.perf_counter()
-            self.best_estimator_ = clone(self.estimator).fit(
-                X.select_sites(self.best_site_), y, **fit_params
-            )
+            if self.n_sites == 1:
+                self.best_estimator_ = clone(self.estimator).fit(
+                    X.select_sites(self.best_site_), y, **fit_params
+                )
+            else:
+                self.best_estimator_ = SiteEnsemble(
+                    self.estimator, sites=list(self.best_sites_), n_jobs=self.n_jobs
+                ).fit(X.select_sites(list(self.best_sites_)), y, **fit_params)
             self.refit_time_ = time.perf_counter() - start
         return self
 
@@ -445,6 +513,15 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
 
     def _at_best_site(self, X):
         X = check_turn_features(X, self)
+        best_sites = getattr(self, "best_sites_", (self.best_site_,))  # older saves
+        if len(best_sites) > 1:
+            missing = [s for s in best_sites if s not in X.sites]
+            if missing:
+                raise ValueError(
+                    f"SiteSelector averages sites {list(best_sites)}; X lacks "
+                    f"{missing} (X has {list(X.sites)})."
+                )
+            return X.select_sites(list(best_sites))
         if self.best_site_ not in X.sites:
             raise ValueError(
                 f"SiteSelector chose site {self.best_site_!r}, which X does not hold "
@@ -568,6 +645,280 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         # Not a classifier: see skafa.estimators; estimator_type stays None.
+        tags.target_tags.required = True
+        tags.input_tags.sparse = get_tags(self.estimator).input_tags.sparse
+        return tags
+
+
+def _fit_member(estimator, X, y, params):
+    return estimator.fit(X, y, **params)
+
+
+def _member_scores(estimator, X, site):
+    """Concatenated turn scores of a fitted member at ``site`` of ``X``."""
+    try:
+        scores = final_step_call(estimator, "turn_decision_function", X.select_sites(site))
+    except AttributeError as exc:
+        raise TypeError(
+            f"SiteEnsemble needs per-turn scores, but {estimator!r} has no "
+            f"turn_decision_function ({exc}); use a skafa probe (or an "
+            "AttributionPipeline / Pipeline ending in one)."
+        ) from None
+    scores = np.concatenate([np.asarray(s, dtype=np.float64).ravel() for s in scores])
+    if scores.shape != (X.n_turns_total,):
+        raise ValueError(
+            f"the estimator at site {site!r} returned {scores.shape[0]} turn scores for "
+            f"{X.n_turns_total} turns."
+        )
+    return scores
+
+
+class SiteEnsemble(MetaEstimatorMixin, BaseEstimator):
+    """Average the standardized turn scores of one estimator fitted at several sites.
+
+    A clone of ``estimator`` is fitted on ``X.select_sites(site)`` for every site
+    in ``sites``. At prediction time each member scores every turn at its own
+    site; the scores are standardized per site and averaged, and the decisive
+    step of a conversation is its turn with the highest average.
+
+    Standardization: a member's turn scores are centred within each
+    conversation (its mean over the conversation's turns is subtracted) and
+    divided by ``score_scale_[j]``, the root mean square of those centred
+    scores over the *training* turns (``1`` if it is zero). Only differences
+    between turns of one conversation decide the step, so this puts every site
+    on the same within-conversation scale before averaging; the scale is
+    learned on the training data only (the centring of a test conversation
+    uses that conversation's own scores and no label).
+
+    :class:`SiteSelector` with ``n_sites=k`` chooses the ``k`` sites by inner
+    cross-validation and refits one of these; use it directly when the sites
+    are fixed in advance. It is a separate estimator (rather than a mode of
+    :class:`SiteSelector`) because averaging over *given* sites involves no
+    selection, and because it takes a multi-site ``X`` while every selected
+    single-site estimator takes one site.
+
+    Parameters
+    ----------
+    estimator : estimator object
+        Conversation-level estimator taking a single-site ``TurnFeatures`` and
+        implementing ``turn_decision_function`` (e.g. a skafa probe, or an
+        :class:`~skafa.AttributionPipeline` / Pipeline ending in one). Its
+        ``site`` parameter(s) must be left to ``None``.
+    sites : list of str, default=None
+        Sites to average over; ``None`` means every site of ``X``.
+    n_jobs : int, default=None
+        Number of members fitted in parallel (joblib). ``None`` means 1.
+
+    Attributes
+    ----------
+    estimators_ : list of estimator
+        One fitted clone per site, in ``sites_`` order.
+    sites_ : tuple of str
+        The sites averaged over.
+    score_scale_ : ndarray of shape (n_sites,)
+        Root mean square of each member's within-conversation centred training
+        turn scores.
+    n_features_in_ : int
+        Number of features per turn.
+
+    See Also
+    --------
+    SiteSelector : Choose the site (or, with ``n_sites``, the sites) by
+        grouped cross-validation.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skafa import TurnFeatures
+    >>> from skafa.probes import GroupedArgmaxLogisticClassifier
+    >>> from skafa.selection import SiteEnsemble
+    >>> rng = np.random.default_rng(0)
+    >>> offsets = np.arange(0, 161, 4)                  # 40 conversations x 4 turns
+    >>> values = rng.normal(size=(160, 3, 2))           # 3 sites, 2 features
+    >>> y = rng.integers(0, 4, size=40)
+    >>> values[offsets[:-1] + y, :, 0] += 1.5           # weak signal at every site
+    >>> X = TurnFeatures(values, offsets, sites=["a", "b", "c"])
+    >>> ens = SiteEnsemble(GroupedArgmaxLogisticClassifier()).fit(X[:20], y[:20])
+    >>> ens.sites_, ens.score_scale_.shape
+    (('a', 'b', 'c'), (3,))
+    >>> ens.predict(X[20:]).shape
+    (20,)
+    """
+
+    _parameter_constraints: dict = {
+        "estimator": [HasMethods(["fit"])],
+        "sites": ["array-like", None],
+        "n_jobs": [Integral, None],
+    }
+
+    def __init__(self, estimator, *, sites=None, n_jobs=None):
+        self.estimator = estimator
+        self.sites = sites
+        self.n_jobs = n_jobs
+
+    @_fit_context(
+        # SiteEnsemble.estimator is validated when it is fitted
+        prefer_skip_nested_validation=False
+    )
+    def fit(self, X, y, **params):
+        """Fit one clone of the estimator per site and learn the score scales.
+
+        Parameters
+        ----------
+        X : TurnFeatures
+            Per-turn features holding every site in ``sites``.
+        y : array-like of int, shape (n_conversations,)
+            Decisive step of each conversation.
+        **params : dict
+            Parameters for every member's ``fit`` (routed when metadata routing
+            is enabled).
+
+        Returns
+        -------
+        self : object
+            Fitted ensemble.
+        """
+        X = check_turn_features(X, self)
+        y = check_steps(y, X)
+        sites = _resolve_sites(self.sites, X)
+        _check_no_fixed_site(self.estimator, type(self).__name__)
+        if _routing_enabled():
+            params = dict(process_routing(self, "fit", **params).estimator.fit)
+        estimators = Parallel(n_jobs=self.n_jobs)(
+            delayed(_fit_member)(clone(self.estimator), X.select_sites(site), y, params)
+            for site in sites
+        )
+        scales = []
+        for estimator, site in zip(estimators, sites):
+            deviation = grouped_center(_member_scores(estimator, X, site), X.offsets)
+            scale = float(np.sqrt(np.mean(deviation**2)))
+            scales.append(scale if np.isfinite(scale) and scale > 0 else 1.0)
+        self.estimators_ = list(estimators)
+        self.sites_ = sites
+        self.score_scale_ = np.asarray(scales, dtype=np.float64)
+        self.n_features_in_ = int(X.n_features)
+        return self
+
+    def _average(self, X):
+        check_is_fitted(self)
+        X = check_turn_features(X, self)
+        missing = [s for s in self.sites_ if s not in X.sites]
+        if missing:
+            raise ValueError(
+                f"SiteEnsemble was fitted on sites {list(self.sites_)}; X lacks "
+                f"{missing} (X has {list(X.sites)})."
+            )
+        total = np.zeros(X.n_turns_total, dtype=np.float64)
+        for estimator, site, scale in zip(self.estimators_, self.sites_, self.score_scale_):
+            total += grouped_center(_member_scores(estimator, X, site), X.offsets) / scale
+        return X, total / len(self.sites_)
+
+    def turn_decision_function(self, X):
+        """Mean standardized turn score over the sites, per conversation.
+
+        Parameters
+        ----------
+        X : TurnFeatures
+
+        Returns
+        -------
+        scores : list of ndarray of shape (n_turns_i,)
+            Centred within each conversation (each sums to zero).
+        """
+        X, scores = self._average(X)
+        return X.split_rows(scores)
+
+    def turn_predict_proba(self, X):
+        """Softmax of the averaged scores over the turns of each conversation.
+
+        A ranking device: the average of standardized scores is not a
+        calibrated logit, so these are not calibrated probabilities.
+
+        Parameters
+        ----------
+        X : TurnFeatures
+
+        Returns
+        -------
+        proba : list of ndarray of shape (n_turns_i,)
+            One array per conversation, summing to 1.
+        """
+        X, scores = self._average(X)
+        return X.split_rows(grouped_softmax(scores, X.offsets))
+
+    def predict(self, X):
+        """Turn with the highest averaged score (earliest on ties).
+
+        Parameters
+        ----------
+        X : TurnFeatures
+
+        Returns
+        -------
+        steps : ndarray of int, shape (n_conversations,)
+        """
+        X, scores = self._average(X)
+        return grouped_argmax(scores, X.offsets)
+
+    def predict_agent(self, X):
+        """Speaker of the predicted decisive turn of every conversation.
+
+        Parameters
+        ----------
+        X : TurnFeatures
+            Must carry ``speakers``.
+
+        Returns
+        -------
+        agents : ndarray of object, shape (n_conversations,)
+        """
+        X = check_turn_features(X, self)
+        if X.speakers is None:
+            raise ValueError(
+                "X carries no speakers, so agents cannot be read off the predicted "
+                "turns; build TurnFeatures with speakers=... (one per turn)."
+            )
+        return X.speakers_at(self.predict(X))
+
+    def score(self, X, y, sample_weight=None):
+        """Step accuracy of the averaged prediction.
+
+        Parameters
+        ----------
+        X : TurnFeatures
+        y : array-like of int, shape (n_conversations,)
+        sample_weight : array-like of shape (n_conversations,), default=None
+            Conversation weights (a weighted mean of hits).
+
+        Returns
+        -------
+        score : float
+        """
+        X = check_turn_features(X, self)
+        y = check_steps(y, X)
+        pred = self.predict(X)
+        if sample_weight is None:
+            return step_accuracy(y, pred)
+        return float(np.average(pred == y, weights=np.asarray(sample_weight, dtype=float)))
+
+    def get_metadata_routing(self):
+        """Get metadata routing of this object.
+
+        ``fit`` routes to every member's ``fit``.
+
+        Returns
+        -------
+        routing : MetadataRouter
+            A :class:`~sklearn.utils.metadata_routing.MetadataRouter` encapsulating
+            routing information.
+        """
+        return MetadataRouter(owner=self).add(
+            estimator=self.estimator,
+            method_mapping=MethodMapping().add(caller="fit", callee="fit"),
+        )
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
         tags.target_tags.required = True
         tags.input_tags.sparse = get_tags(self.estimator).input_tags.sparse
         return tags

@@ -34,8 +34,11 @@ from sklearn.utils.validation import check_is_fitted
 from skafa import (
     GroupedArgmaxClassifier,
     GroupedArgmaxLogisticClassifier,
+    GroupedSoftmaxClassifier,
     PerTurn,
+    SiteEnsemble,
     TurnFeatures,
+    TurnScoreStacker,
 )
 from skafa.selection import SiteSelector
 
@@ -310,6 +313,9 @@ def expected_failed_checks(estimator):
         GroupedArgmaxLogisticClassifier(),
         PerTurn(StandardScaler()),
         SiteSelector(GroupedArgmaxLogisticClassifier()),
+        GroupedSoftmaxClassifier(),
+        SiteEnsemble(GroupedSoftmaxClassifier()),
+        TurnScoreStacker([("probe", GroupedSoftmaxClassifier())]),
     ],
     expected_failed_checks=expected_failed_checks,
     xfail_strict=True,

@@ -9,7 +9,13 @@
 
 import numpy as np
 
-__all__ = ["grouped_argmax", "grouped_softmax", "grouped_normalise"]
+__all__ = [
+    "grouped_argmax",
+    "grouped_softmax",
+    "grouped_normalise",
+    "grouped_logsumexp",
+    "grouped_center",
+]
 
 
 def grouped_argmax(scores, offsets):
@@ -43,3 +49,19 @@ def grouped_normalise(scores, offsets):
         return np.where(totals > 0, scores / np.where(totals > 0, totals, 1.0), uniform)
 
 
+
+
+def grouped_logsumexp(scores, offsets):
+    """``log(sum(exp(scores)))`` of every group, computed stably (one value per group)."""
+    starts = offsets[:-1]
+    sizes = np.diff(offsets)
+    group_max = np.maximum.reduceat(scores, starts)
+    shifted = scores - np.repeat(group_max, sizes)
+    return group_max + np.log(np.add.reduceat(np.exp(shifted), starts))
+
+
+def grouped_center(scores, offsets):
+    """``scores`` minus the mean of its group (the within-group deviation)."""
+    starts = offsets[:-1]
+    sizes = np.diff(offsets)
+    return scores - np.repeat(np.add.reduceat(scores, starts) / sizes, sizes)
