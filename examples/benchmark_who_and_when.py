@@ -39,6 +39,7 @@ import skafa
 from skafa import (
     DummyStepClassifier,
     GroupedArgmaxLogisticClassifier,
+    GroupedSoftmaxClassifier,
     PromptedJudge,
     PromptTemplate,
     SiteConcatenator,
@@ -65,16 +66,33 @@ class Timer:
         self.t[key] = self.t.get(key, 0.0) + seconds
 
 
-def select_C_and_site(X, y, groups, *, Cs, sites, inner, n_jobs, random_state):
-    """SiteSelector per C on the same inner folds; keep the best (ties: smaller C)."""
+def select_C_and_site(X, y, groups, *, Cs, sites, inner, n_jobs, random_state,
+                      estimator="logistic", n_sites=1):
+    """SiteSelector per C on the same inner folds; keep the best (ties: smaller C).
+
+    With ``n_sites=k > 1`` the k best sites are averaged (``SiteEnsemble``); the
+    score that compares Cs, and that the pre-registered rule compares with the
+    other configurations, is then the inner-CV accuracy of that average over the
+    same inner folds, not the best single site's. Returns ``(C, selector, score)``.
+    """
+    from sklearn.model_selection import cross_val_score
+
+    from skafa import SiteEnsemble
+
     best = None
     for C in sorted(Cs):
-        sel = SiteSelector(
-            GroupedArgmaxLogisticClassifier(C=C, random_state=random_state),
-            sites=sites, cv=GroupKFold(inner), n_jobs=n_jobs,
-        ).fit(X, y, groups=groups)
-        if best is None or sel.best_score_ > best[1].best_score_:
-            best = (C, sel)
+        est = (GroupedArgmaxLogisticClassifier(C=C, random_state=random_state)
+               if estimator == "logistic" else GroupedSoftmaxClassifier(C=C))
+        kw = {} if n_sites == 1 else {"n_sites": n_sites}
+        sel = SiteSelector(est, sites=sites, cv=GroupKFold(inner), n_jobs=n_jobs,
+                           **kw).fit(X, y, groups=groups)
+        score = float(sel.best_score_)
+        if n_sites > 1:
+            ens = SiteEnsemble(est, sites=list(sel.best_sites_))
+            score = float(np.mean(cross_val_score(
+                ens, X, y, groups=groups, cv=GroupKFold(inner), n_jobs=n_jobs)))
+        if best is None or score > best[2]:
+            best = (C, sel, score)
     return best
 
 
@@ -97,7 +115,7 @@ def run_outer_fold(convs, A, y, groups, train, test, args, judge_pred, multi_sit
     kw = dict(inner=args.inner_folds, n_jobs=args.n_jobs, random_state=0)
 
     t = time.perf_counter()
-    C, sel = select_C_and_site(Atr, ytr, gtr, Cs=args.Cs, sites=args.probe_sites, **kw)
+    C, sel, _ = select_C_and_site(Atr, ytr, gtr, Cs=args.Cs, sites=args.probe_sites, **kw)
     out["probe"] = (sel.predict(Ate), {"site": sel.best_site_, "C": C,
                                        "inner_curve": sel.cv_results_["mean_test_score"].tolist()})
     timer.add("cv_probe", time.perf_counter() - t)
@@ -107,7 +125,7 @@ def run_outer_fold(convs, A, y, groups, train, test, args, judge_pred, multi_sit
     Ptr, Pte = pos.transform(ctr), pos.transform(cte)
     AP_tr = TurnFeatures.concatenate([Atr, Ptr], prefixes=["act", "pos"])
     AP_te = TurnFeatures.concatenate([Ate, Pte], prefixes=["act", "pos"])
-    C, sel = select_C_and_site(AP_tr, ytr, gtr, Cs=args.Cs, sites=args.probe_sites, **kw)
+    C, sel, _ = select_C_and_site(AP_tr, ytr, gtr, Cs=args.Cs, sites=args.probe_sites, **kw)
     out["probe + position"] = (sel.predict(AP_te), {"site": sel.best_site_, "C": C})
     timer.add("cv_probe_position", time.perf_counter() - t)
 
@@ -274,6 +292,392 @@ def plot(result, path):
     return path
 
 
+# ------------------------------------------------------ pre-registered comparison
+# The configurations and the rule are fixed in docs/benchmarks.md, section 3
+# ("Beat position: the pre-registered comparison"), committed before any run.
+PREREG_READS = ("last", "recap", "echo")
+LOGISTIC_CS = (0.001, 0.01, 0.1)
+SOFTMAX_CS = (0.01, 0.1, 1.0)
+# (id, estimator, C grid, n_sites, features): configurations 1-8 of the table.
+PREREG_PROBES = (
+    ("logistic/single/acts", "logistic", LOGISTIC_CS, 1, "acts"),
+    ("logistic/single/acts+pos", "logistic", LOGISTIC_CS, 1, "acts+pos"),
+    ("logistic/top3/acts", "logistic", LOGISTIC_CS, 3, "acts"),
+    ("logistic/top3/acts+pos", "logistic", LOGISTIC_CS, 3, "acts+pos"),
+    ("softmax/single/acts", "softmax", SOFTMAX_CS, 1, "acts"),
+    ("softmax/single/acts+pos", "softmax", SOFTMAX_CS, 1, "acts+pos"),
+    ("softmax/top3/acts", "softmax", SOFTMAX_CS, 3, "acts"),
+    ("softmax/top3/acts+pos", "softmax", SOFTMAX_CS, 3, "acts+pos"),
+)
+STACK_ID = "stack(probe, position, TF-IDF)"
+AUTO = "skafa (pre-registered auto)"
+
+
+def prereg_names(reads=PREREG_READS):
+    """The 27 configuration names in the pre-registered order (the tie-break order)."""
+    return [f"{read}: {pid}" for read in reads
+            for pid in [p[0] for p in PREREG_PROBES] + [STACK_ID]]
+
+
+def make_stacker(extractor, probe_sites, inner):
+    """Configuration 9: stacking of probe, position and TF-IDF turn scores."""
+    from sklearn.base import clone
+
+    from skafa import TurnScoreStacker, make_attribution_pipeline
+
+    probe = make_attribution_pipeline(
+        clone(extractor),
+        SiteSelector(GroupedSoftmaxClassifier(C=0.1), sites=probe_sites,
+                     cv=GroupKFold(min(3, inner))))
+    position = make_attribution_pipeline(TurnPositionTransformer(),
+                                         GroupedArgmaxLogisticClassifier(C=0.1))
+    tfidf = make_attribution_pipeline(TurnTextTransformer(),
+                                      GroupedArgmaxLogisticClassifier(C=0.1))
+    return TurnScoreStacker([("probe", probe), ("position", position), ("tfidf", tfidf)],
+                            final_estimator=GroupedSoftmaxClassifier(C=1.0),
+                            cv=GroupKFold(inner))
+
+
+def prereg_outer_fold(convs, feats, extractors, y, groups, train, test, args, timer):
+    """Every pre-registered configuration on one outer fit, and the auto choice.
+
+    Returns {name: (test predictions, inner score or None, info)}.
+    """
+    from sklearn.model_selection import cross_val_score
+
+    out = {}
+    ctr = [convs[i] for i in train]
+    cte = [convs[i] for i in test]
+    ytr, gtr = y[train], groups[train]
+    kw = dict(inner=args.inner_folds, n_jobs=args.n_jobs, random_state=0)
+    pos = TurnPositionTransformer().fit(ctr)
+    Ptr, Pte = pos.transform(ctr), pos.transform(cte)
+    for read in args.reads:
+        A = feats[read]
+        blocks = {"acts": (A[train], A[test])}
+        blocks["acts+pos"] = tuple(TurnFeatures.concatenate([a, p], prefixes=["act", "pos"])
+                                   for a, p in zip(blocks["acts"], (Ptr, Pte)))
+        for pid, kind, Cs, n_sites, fset in PREREG_PROBES:
+            t = time.perf_counter()
+            Xtr, Xte = blocks[fset]
+            C, sel, score = select_C_and_site(Xtr, ytr, gtr, Cs=Cs, sites=args.probe_sites,
+                                              estimator=kind, n_sites=n_sites, **kw)
+            sites = list(getattr(sel, "best_sites_", [sel.best_site_]))
+            out[f"{read}: {pid}"] = (sel.predict(Xte), score,
+                                     {"C": C, "sites": sites})
+            timer.add(f"cv {kind}", time.perf_counter() - t)
+        if not args.no_stack:
+            t = time.perf_counter()
+            stk = make_stacker(extractors[read], args.probe_sites, args.inner_folds)
+            inner = cross_val_score(stk, ctr, ytr, groups=gtr, cv=GroupKFold(args.inner_folds),
+                                    params={"groups": gtr})
+            stk.fit(ctr, ytr, groups=gtr)
+            out[f"{read}: {STACK_ID}"] = (stk.predict(cte), float(np.mean(inner)), {})
+            timer.add("cv stack", time.perf_counter() - t)
+    order = [n for n in prereg_names(args.reads) if n in out]
+    best = max(order, key=lambda n: (out[n][1], -order.index(n)))
+    out[AUTO] = (out[best][0], None, {"chosen": best, "inner_score": out[best][1]})
+    return out
+
+
+def _shortened_for_peer(conv, tokenizer, template):
+    enc = template.encode(conv, tokenizer)
+    return list(enc.shortened_contents or [t.content for t in conv.turns])
+
+
+def mi4afa_setup(model, tokenizer, convs, template, layers, n_layers):
+    """mi4afa's extractor on the same model object, and its conversations.
+
+    Conversations come from skafa's loader (speakers kept) with the turn contents
+    skafa's shortening policy produced at the same budget; a prompt still longer than
+    the context for mi4afa's own (longer) wording is shortened further, by 5% of the
+    budget at a time, and counted.
+    """
+    from ag2.extensions import mi4afa
+
+    sites = [mi4afa.ActivationSite(int(layer), "resid_pre") for layer in layers]
+    sites.append(mi4afa.ActivationSite(int(n_layers), "resid_final"))
+    extractor = mi4afa.ActivationExtractor(model, tokenizer, sites=sites)
+    ctx = context_length(model)
+    peer_convs, n_extra = [], 0
+    for conv in convs:
+        budget = template.max_prompt_tokens
+        while True:  # noqa: B007
+            contents = _shortened_for_peer(conv, tokenizer, PromptTemplate(
+                shorten="middle_first", max_prompt_tokens=budget))
+            pc = mi4afa.Conversation(
+                question=conv.task, ground_truth=conv.expected_answer,
+                history=tuple(mi4afa.Turn(name=t.speaker, content=c)
+                              for t, c in zip(conv.turns, contents)),
+                mistake_step=conv.mistake_step, mistake_agent=conv.mistake_agent)
+            if len(extractor.encode(pc).input_ids) <= ctx:
+                break
+            budget = int(budget * 0.95)
+        n_extra += budget < template.max_prompt_tokens
+        peer_convs.append(pc)
+    return extractor, peer_convs, n_extra
+
+
+def mi4afa_activations(extractor, peer_convs, cache_dir, model_key):
+    """mi4afa's activations for every conversation, cached as safetensors by content."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from ag2.extensions.mi4afa.activations import ConversationActivations
+
+    out, seconds = [], 0.0
+    folder = Path(cache_dir) / "mi4afa" if cache_dir else None
+    for pc in peer_convs:
+        key = hashlib.sha256(json.dumps({
+            "model": model_key, "sites": [str(s) for s in extractor.sites],
+            "conv": [pc.question, pc.ground_truth, [[t.name, t.content] for t in pc.history]],
+        }, sort_keys=True).encode()).hexdigest()[:32]
+        path = folder / f"{key}.safetensors" if folder else None
+        if path is not None and path.exists():
+            values = load_file(str(path))["values"]
+            out.append(ConversationActivations(pc, tuple(extractor.sites), values))
+            continue
+        t = time.perf_counter()
+        acts = extractor.extract(pc)
+        seconds += time.perf_counter() - t
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file({"values": acts.values.to(torch.float32).contiguous()}, str(path))
+        out.append(acts)
+    return out, seconds
+
+
+def mi4afa_fold(extractor, acts, train, test):
+    from ag2.extensions import mi4afa
+
+    att = mi4afa.ProbeAttributor(extractor)
+    report = att.fit([acts[i] for i in train])
+    pred = np.array([int(att.score_turns(acts[i]).argmax()) for i in test])
+    return pred, {"site": str(report.site)}
+
+
+def peak_rss_during(fn):
+    """Run ``fn()``; return (result, seconds, peak RSS above the start, MiB)."""
+    import threading
+
+    import psutil
+
+    proc = psutil.Process()
+    start = proc.memory_info().rss
+    peak = [start]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            stop.wait(0.005)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    t = time.perf_counter()
+    try:
+        result = fn()
+    finally:
+        seconds = time.perf_counter() - t
+        stop.set()
+        th.join()
+    return result, seconds, (peak[0] - start) / 2**20
+
+
+def peer_cost(args, convs, template, extractor_m, peer_convs):
+    """skafa vs mi4afa extraction on the first records, interleaved, no cache."""
+    rows = {"skafa": [0.0, 0.0], "mi4afa": [0.0, 0.0]}
+    n = min(args.peer_n, len(convs))
+    cold = TurnActivationTransformer(model=args.model, read="last", prompt=template,
+                                     dtype=args.dtype, cache_dir=None, memory_cache=False)
+    cold.fit(convs[:1])
+    for i in range(n):
+        _, s, mem = peak_rss_during(lambda: cold.transform([convs[i]]))
+        rows["skafa"][0] += s
+        rows["skafa"][1] = max(rows["skafa"][1], mem)
+        _, s, mem = peak_rss_during(lambda: extractor_m.extract(peer_convs[i]))
+        rows["mi4afa"][0] += s
+        rows["mi4afa"][1] = max(rows["mi4afa"][1], mem)
+    return {k: {"seconds": round(v[0], 1), "peak_extra_rss_mib": round(v[1], 1), "n": n}
+            for k, v in rows.items()}
+
+
+def baseline_fold(convs, y, groups, train, test, args, judge_pred):
+    """Position-only, TF-IDF, dummies and the judge on one outer fit."""
+    out = {}
+    ctr = [convs[i] for i in train]
+    cte = [convs[i] for i in test]
+    ytr, gtr = y[train], groups[train]
+    kw = dict(inner=args.inner_folds, n_jobs=args.n_jobs, random_state=0)
+    pos = TurnPositionTransformer().fit(ctr)
+    gs = grid_C(pos.transform(ctr), ytr, gtr, Cs=LOGISTIC_CS, **kw)
+    out["position-only"] = (gs.predict(pos.transform(cte)), {"C": gs.best_params_["C"]})
+    txt = TurnTextTransformer().fit(ctr)
+    gs = grid_C(txt.transform(ctr), ytr, gtr, Cs=LOGISTIC_CS, **kw)
+    out["TF-IDF"] = (gs.predict(txt.transform(cte)), {"C": gs.best_params_["C"]})
+    for strategy in ("first", "most_frequent", "most_frequent_relative", "uniform"):
+        d = DummyStepClassifier(strategy=strategy, random_state=0).fit(ctr, ytr)
+        out[f"dummy: {strategy}"] = (d.predict(cte), {})
+    if judge_pred is not None:
+        out["PromptedJudge (logprob)"] = (judge_pred[test], {})
+    return out
+
+
+def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, command, tag,
+                      subset_label, timer, t_all):
+    """The pre-registered comparison of docs/benchmarks.md section 3, on one cell."""
+    total_chars = sum(sum(len(t.content) for t in c.turns) for c in convs)
+    template = PromptTemplate(shorten="middle_first", max_prompt_tokens=budget)
+    feats, extractors, notes = {}, {}, {}
+    for read in args.reads:
+        shortened = plan(convs, tokenizer, template, max_tokens=budget, read=read)
+        removed = int(shortened.total_chars_removed)
+        notes[read] = (f"read={read}: {int(sum(r['chars_removed'] > 0 for r in shortened))} "
+                       f"of {len(convs)} conversations shortened, {removed:,} of "
+                       f"{total_chars:,} turn characters removed "
+                       f"({100 * removed / max(total_chars, 1):.1f}%)")
+        print(notes[read], flush=True)
+        t = time.perf_counter()
+        ext = TurnActivationTransformer(model=args.model, read=read, prompt=template,
+                                        dtype=args.dtype, cache_dir=args.cache_dir, verbose=1)
+        feats[read] = ext.fit(convs).transform(convs)
+        extractors[read] = ext
+        timer.add(f"extraction {read}", time.perf_counter() - t)
+    L = extractors[args.reads[0]].n_layers_
+    A0 = feats[args.reads[0]]
+    probe_sites = list(A0.sites)
+    if args.sites.startswith("stride:"):
+        k = int(args.sites.split(":", 1)[1])
+        probe_sites = [f"resid_pre.{layer}" for layer in range(0, L, k)] + ["resid_final"]
+    elif args.sites != "all":
+        probe_sites = [s.strip() for s in args.sites.split(",") if s.strip()]
+    args.probe_sites = probe_sites
+
+    judge_pred = None
+    if not args.no_judge:
+        t = time.perf_counter()
+        judge_template = PromptTemplate(shorten="middle_first",
+                                        max_prompt_tokens=min(budget, ctx - 16))
+        judge_pred = judge_predictions(args, convs, judge_template, args.cache_dir)
+        timer.add("judge", time.perf_counter() - t)
+
+    peer = None
+    if not args.no_mi4afa:
+        t = time.perf_counter()
+        layers = [int(s.split(".")[1]) for s in probe_sites if s.startswith("resid_pre.")]
+        ext_m, peer_convs, n_extra = mi4afa_setup(model, tokenizer, convs, template, layers, L)
+        model_key = json.dumps(extractors[args.reads[0]].model_identity_, sort_keys=True,
+                               default=str)
+        m_acts, m_seconds = mi4afa_activations(ext_m, peer_convs, args.cache_dir, model_key)
+        timer.add("extraction mi4afa", time.perf_counter() - t)
+        peer = {"n_shortened_further": int(n_extra), "extraction_seconds_uncached": m_seconds}
+        if args.peer_n:
+            peer["cost"] = peer_cost(args, convs, template, ext_m, peer_convs)
+
+    names = prereg_names(args.reads)
+    preds, infos = {}, []
+    for r in range(args.repeats):
+        outer = GroupKFold(args.folds, shuffle=True, random_state=r)
+        rep = {}
+        for k, (train, test) in enumerate(outer.split(A0, y, groups)):
+            t0 = time.perf_counter()
+            out = {n: (p, {**info, "inner_score": s})
+                   for n, (p, s, info) in prereg_outer_fold(
+                       convs, feats, extractors, y, groups, train, test, args, timer).items()}
+            out.update(baseline_fold(convs, y, groups, train, test, args, judge_pred))
+            if peer is not None:
+                out["mi4afa ProbeAttributor (ag2 1.2.1)"] = mi4afa_fold(ext_m, m_acts,
+                                                                       train, test)
+            for name, (pred, info) in out.items():
+                rep.setdefault(name, np.full(len(y), -1))[test] = pred
+                infos.append({"repeat": r, "fold": k, "method": name, **info})
+            print(f"repeat {r} fold {k}: auto chose {out[AUTO][1]['chosen']} "
+                  f"({time.perf_counter() - t0:.0f}s)", flush=True)
+        for name, P in rep.items():
+            preds.setdefault(name, []).append(P)
+    preds = {k: np.stack(v) for k, v in preds.items()}
+    summary, per_conv = summarise(preds, y, convs, groups, n_resamples=args.n_resamples, seed=0)
+
+    baselines = ["position-only", "TF-IDF", *[k for k in preds if k.startswith("dummy: ")],
+                 *[k for k in preds if k.startswith("PromptedJudge")]]
+    best_baseline = max(baselines, key=lambda k: summary[k]["step_accuracy"]["estimate"])
+    others = [k for k in preds if k.startswith("PromptedJudge") or k.startswith("mi4afa")]
+    paired_res = {f"{AUTO} - {b}": paired(per_conv, AUTO, b, groups,
+                                          n_resamples=args.n_resamples, seed=0)
+                  for b in dict.fromkeys([best_baseline, "position-only", "TF-IDF", *others])}
+    chosen = [i["chosen"] for i in infos if i["method"] == AUTO]
+    tally = {n: chosen.count(n) for n in names if n in chosen}
+    timer.add("total", time.perf_counter() - t_all)
+    result = {
+        "preregistered": True, "model": str(args.model), "tag": tag, "subset": subset_label,
+        "model_label": {"smollm2": "SmolLM2-135M-Instruct"}.get(args.model, tag),
+        "n_conversations": len(convs), "folds": args.folds, "inner_folds": args.inner_folds,
+        "repeats": args.repeats, "command": command, "reads": list(args.reads),
+        "probe_sites": probe_sites, "budget": budget, "context": ctx,
+        "shortening": notes, "mi4afa": peer,
+        "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python "
+                   f"{platform.python_version()}, torch {__import__('torch').__version__}",
+        "date": time.strftime("%Y-%m-%d"),
+        "summary": summary, "best_baseline": best_baseline, "paired": paired_res,
+        "auto_choices": tally, "order": names,
+        "choices": [{k: v for k, v in i.items()} for i in infos],
+        "times": {k: round(v, 1) for k, v in timer.t.items()},
+        "record_ids": [c.record_id for c in convs],
+        "y_true": [int(v) for v in y], "task_ids": [str(g) for g in groups],
+        "predictions": {k: np.asarray(v).astype(int).tolist() for k, v in preds.items()},
+    }
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"prereg_{tag}_{subset_label}"
+    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
+    md = prereg_markdown(result)
+    (out_dir / f"{stem}.md").write_text(md)
+    print(md)
+    return result
+
+
+def prereg_markdown(result):
+    s = result["summary"]
+    lines = [
+        f"### Pre-registered: {result['model_label']} on Who&When {result['subset']} "
+        f"(n = {result['n_conversations']})", "",
+        f"Command: `{result['command']}`  ",
+        f"Machine: {result['machine']}; {result['date']}.  ",
+        f"Prompt budget {result['budget']} tokens (context {result['context']}); "
+        + "; ".join(result["shortening"].values()) + ".  ",
+        f"Sites searched: {', '.join(result['probe_sites'])}.", "",
+        "| method | step acc % [95% CI] | agent acc % (exact) | agent (normalized) | "
+        "agent (substring) | within-1 % | mean abs shift | n |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    head = [AUTO]
+    base = [k for k in s if not k.startswith("_") and ":" not in k.split(" ")[0]
+            and k != AUTO and k not in result["order"]]
+    fixed = [k for k in result["order"] if k in s]
+    for group, keys in (("", head), ("", sorted(base, key=lambda k: -s[k]["step_accuracy"]
+                                                ["estimate"])),
+                        ("fixed configuration: ", fixed)):
+        for k in keys:
+            r = s[k]
+            lines.append(
+                f"| {group}{k} | {fmt(r['step_accuracy'])} | {fmt(r['agent_accuracy_exact'])} | "
+                f"{fmt(r['agent_accuracy_normalized'])} | {fmt(r['agent_accuracy_substring'])} | "
+                f"{fmt(r['within_1'])} | {fmt(r['mean_abs_shift'], pct=False)} | {r['n']} |")
+    lines += ["", f"Best baseline (highest outer accuracy, favours the baseline): "
+                  f"**{result['best_baseline']}**.", "",
+              "| paired difference in step accuracy | points [95% CI] |", "|---|---|"]
+    for k, r in result["paired"].items():
+        lines.append(f"| {k} | {100 * r['estimate']:+.1f} [{100 * r['low']:+.1f}, "
+                     f"{100 * r['high']:+.1f}] |")
+    lines += ["", "Configurations chosen by the rule (outer fits): "
+              + ", ".join(f"{k} x{v}" for k, v in result["auto_choices"].items()), ""]
+    if result.get("mi4afa"):
+        lines += [f"mi4afa: {json.dumps(result['mi4afa'])}", ""]
+    lines += ["Wall times: " + ", ".join(f"{k} {v:.0f}s" for k, v in result["times"].items()),
+              ""]
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------- main
 def judge_predictions(args, convs, template, cache_dir):
     """Zero-shot judge scores for every conversation, cached as JSON next to activations."""
@@ -323,6 +727,18 @@ def main(argv=None):
     p.add_argument("--n-resamples", type=int, default=2000)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--no-judge", action="store_true", help="skip the PromptedJudge baseline")
+    p.add_argument("--preregistered", action="store_true",
+                   help="run the pre-registered comparison of docs/benchmarks.md section 3 "
+                        "(27 configurations, baselines, mi4afa, the auto rule)")
+    p.add_argument("--reads", nargs="+", default=list(PREREG_READS),
+                   help="with --preregistered: reads to include (default: all three)")
+    p.add_argument("--no-stack", action="store_true", help="with --preregistered: skip "
+                   "configuration 9 (stacking)")
+    p.add_argument("--no-mi4afa", action="store_true", help="with --preregistered: skip the "
+                   "reference implementation (ag2.extensions.mi4afa)")
+    p.add_argument("--peer-n", type=int, default=5, help="with --preregistered: records on "
+                   "which skafa's and mi4afa's extraction time and memory are measured, "
+                   "interleaved and uncached (0: skip)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny random model + synthetic conversations (seconds; for CI)")
     args = p.parse_args(argv)
@@ -339,6 +755,7 @@ def main(argv=None):
         convs = make_conversations(40, min_turns=3, max_turns=6, seed=0)
         args.folds, args.inner_folds, args.repeats = 2, 2, 1
         args.Cs, args.n_resamples, args.max_prompt_tokens = [0.1], 200, 512
+        args.peer_n = min(args.peer_n, 2)
         command = "python examples/benchmark_who_and_when.py --smoke"
     else:
         data = skafa.load_who_and_when(args.data, subset=args.subset)
@@ -369,6 +786,10 @@ def main(argv=None):
         f"{n_short} conversations, removing {removed:,} of {total_chars:,} turn characters "
         f"({100 * removed / max(total_chars, 1):.1f}%). Nothing was dropped.")
     print(context_note, flush=True)
+    if args.preregistered:
+        return run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget,
+                                 command, tag if not args.smoke else "smoke", subset_label,
+                                 timer, t_all)
 
     # ---- extraction (all sites, one pass per conversation, disk cache)
     t = time.perf_counter()

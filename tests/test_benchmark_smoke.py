@@ -74,3 +74,28 @@ def test_benchmark_cli_help(flag, capsys):
         _load().main([flag])
     assert exc.value.code == 0
     assert "--max-prompt-tokens" in capsys.readouterr().out
+
+
+def test_preregistered_benchmark_smoke(tmp_path):
+    """The pre-registered comparison runs every configuration, the auto rule and mi4afa."""
+    pytest.importorskip("ag2.extensions.mi4afa", reason="ag2 (the test extra) not installed")
+    bench = _load()
+    result = bench.main(["--smoke", "--preregistered", "--reads", "last", "recap",
+                         "--peer-n", "1", "--out", str(tmp_path / "out"),
+                         "--cache-dir", str(tmp_path / "cache")])
+    names = bench.prereg_names(("last", "recap"))
+    assert len(names) == 18 and names[0] == "last: logistic/single/acts"
+    summary = result["summary"]
+    for name in [*names, bench.AUTO, "position-only", "TF-IDF",
+                 "mi4afa ProbeAttributor (ag2 1.2.1)"]:
+        assert summary[name]["n"] == 40, name
+    # the rule chose, in each outer fit, one of the pre-registered configurations
+    chosen = [c["chosen"] for c in result["choices"] if c["method"] == bench.AUTO]
+    assert len(chosen) == 2 and set(chosen) <= set(names)
+    # and its predictions are exactly that configuration's on those folds
+    P = np.asarray(result["predictions"][bench.AUTO])
+    assert P.shape == (1, 40) and (P >= 0).all()
+    assert f"{bench.AUTO} - mi4afa ProbeAttributor (ag2 1.2.1)" in result["paired"]
+    assert result["mi4afa"]["cost"]["skafa"]["n"] == 1
+    md = (tmp_path / "out" / "prereg_smoke_synthetic.md").read_text()
+    assert bench.AUTO in md and "fixed configuration: recap: stack" in md
