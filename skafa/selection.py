@@ -19,7 +19,6 @@ from sklearn.base import BaseEstimator, MetaEstimatorMixin, clone
 from sklearn.exceptions import FitFailedWarning
 from sklearn.metrics import check_scoring, get_scorer_names
 from sklearn.model_selection import GroupKFold, check_cv
-from sklearn.utils import get_tags
 from sklearn.utils.metadata_routing import (
     MetadataRouter,
     MethodMapping,
@@ -37,7 +36,7 @@ from .utils._sklearn_compat import (
     _routing_enabled,
     _safe_indexing,
 )
-from .utils._validation import check_steps, check_turn_features
+from .utils._validation import check_steps, check_turn_features, group_labels
 
 __all__ = ["SiteSelector", "site_sweep"]
 
@@ -354,7 +353,7 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
         if (split_params.get("groups") is None and X.task_ids is not None
                 and not _ignores_groups(cv)):
             if all(t is not None for t in X.task_ids):
-                split_params["groups"] = X.task_ids
+                split_params["groups"] = group_labels(X.task_ids)
         try:
             splits = list(cv.split(X, y, **split_params))
         except ValueError as exc:
@@ -432,6 +431,9 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
                 X.select_sites(self.best_site_), y, **fit_params
             )
             self.refit_time_ = time.perf_counter() - start
+        else:  # a previous fit's refitted estimator is not this fit's
+            for name in ("best_estimator_", "refit_time_"):
+                self.__dict__.pop(name, None)
         return self
 
     # --------------------------------------------------------------- delegation
@@ -454,7 +456,12 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
 
     @property
     def n_features_in_(self):
-        """Number of features per turn seen by the best estimator."""
+        """Number of features per turn seen by the best estimator (``refit=True``)."""
+        if "best_estimator_" not in self.__dict__:
+            raise AttributeError(
+                f"{type(self).__name__} has no n_features_in_: it is not fitted, or was "
+                "fitted with refit=False (no best_estimator_)."
+            )
         return self.best_estimator_.n_features_in_
 
     @available_if(_estimator_has("predict"))
@@ -565,11 +572,20 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
         )
         return router
 
+    @classmethod
+    def _check_instances(cls):
+        """Instances for :mod:`skafa.utils.estimator_checks`."""
+        from .probes import GroupedArgmaxLogisticClassifier
+
+        return [cls(GroupedArgmaxLogisticClassifier(), cv=3)]
+
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         # Not a classifier: see skafa.estimators; estimator_type stays None.
         tags.target_tags.required = True
-        tags.input_tags.sparse = get_tags(self.estimator).input_tags.sparse
+        # X is a TurnFeatures: bare arrays and sparse matrices are refused.
+        tags.input_tags.two_d_array = False
+        tags.input_tags.sparse = False
         return tags
 
 

@@ -17,6 +17,7 @@ from sklearn.utils import _safe_indexing
 from sklearn.utils._param_validation import HasMethods, Interval, Options, StrOptions
 from sklearn.utils.metadata_routing import _routing_enabled
 from sklearn.utils.metaestimators import _BaseComposition
+from sklearn.utils.estimator_checks import _yield_api_checks
 from sklearn.utils.validation import _check_sample_weight
 
 try:  # scikit-learn >= 1.6 moved the HTML repr helpers
@@ -37,5 +38,6 @@ __all__ = [
     "_routing_enabled",
     "_BaseComposition",
     "_check_sample_weight",
+    "_yield_api_checks",
     "_VisualBlock",
 ]
