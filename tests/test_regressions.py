@@ -3,7 +3,8 @@
 - ``SiteSelector`` refitted with ``refit=False`` kept the previous fit's
   ``best_estimator_`` and reported its ``n_features_in_``;
 - an empty ``TurnFeatures`` (0 conversations) was reported as "every training
-  conversation has a single turn"; now every estimator names the empty input.
+  conversation has a single turn"; now every estimator names the empty input;
+- the docstring examples of the package did not run with the tests.
 """
 
 import numpy as np
@@ -59,3 +60,30 @@ def test_empty_turn_features_at_prediction():
     for est in (probe, dummy):
         with pytest.raises(ValueError, match="0 conversations"):
             est.predict(empty)
+
+
+def test_package_doctests_run_with_the_tests(pytestconfig):
+    assert "--doctest-modules" in pytestconfig.getini("addopts")
+    assert "skafa" in pytestconfig.getini("testpaths")
+
+
+def test_no_doctest_needs_the_real_model():
+    # Examples that would load SmolLM2 (or any named real model) are skipped; the
+    # rest run offline on skafa.testing's tiny models.
+    import doctest
+    import importlib
+    import pkgutil
+
+    import skafa
+
+    finder = doctest.DocTestFinder()
+    n_run = 0
+    for info in pkgutil.walk_packages(skafa.__path__, prefix="skafa."):
+        module = importlib.import_module(info.name)
+        for test in finder.find(module, module=module):
+            for example in test.examples:
+                if '"smollm2"' in example.source or "'smollm2'" in example.source:
+                    assert example.options.get(doctest.SKIP), (test.name, example.source)
+                elif not example.options.get(doctest.SKIP):
+                    n_run += 1
+    assert n_run > 50
