@@ -798,7 +798,7 @@ def main(argv=None):
                                      verbose=1).fit(convs)
     A = acts.transform(convs)
     timer.add("extraction", time.perf_counter() - t)
-    n_fwd = acts.n_forward_passes_
+    n_fwd = acts.run_stats["n_forward_passes"]
     print(f"extraction: {A} in {timer.t['extraction']:.0f}s, forward passes {n_fwd}", flush=True)
 
     judge_pred = None

@@ -166,10 +166,10 @@ def main(argv=None):
     )
     X_all = extractor.fit(convs).transform(convs)
     times["extraction"] = time.perf_counter() - t
-    stats = extractor.cache_stats_
+    stats = extractor.run_stats
     print(f"extraction: {X_all.n_turns_total} turns x {X_all.n_sites} sites x "
           f"{X_all.n_features} features in {times['extraction']:.1f} s "
-          f"({extractor.n_forward_passes_} forward passes; cache: "
+          f"({stats['n_forward_passes']} forward passes; cache: "
           f"{stats['memory_hits']} memory hits, {stats['disk_hits']} disk hits, "
           f"{stats['misses']} misses) [cache dir: {args.cache_dir or 'none'}]")
 

@@ -43,7 +43,12 @@ from .metrics import (
 )
 from .probes import GroupedArgmaxLogisticClassifier
 from .selection import SiteSelector
-from .utils._validation import check_conversations, labels_from_conversations
+from .utils._sklearn_compat import _fit_context
+from .utils._validation import (
+    check_conversations,
+    group_labels,
+    labels_from_conversations,
+)
 
 __all__ = ["FailureAttributor", "Attribution", "TurnRank", "AttributionReport"]
 
@@ -254,11 +259,15 @@ class AttributionReport:
 
 
 def _groups_from(convs):
-    """Task ids when every conversation has one, else None."""
+    """Task ids as splitter groups when every conversation has one, else None.
+
+    Through :func:`~skafa.utils._validation.group_labels`, so task ids ``1`` and
+    ``"1"`` stay two groups and a splitter never has to sort mixed types.
+    """
     ids = [c.task_id for c in convs]
     if any(t is None for t in ids):
         return None
-    return np.asarray(ids, dtype=object)
+    return group_labels(ids)
 
 
 def _true_agents(convs, y, defaulted):
@@ -376,6 +385,16 @@ class FailureAttributor(BaseEstimator):
     >>> fa.attribute(test_conversations[0])                        # doctest: +SKIP
     """
 
+    # The parameters are the pieces' parameters: so are their constraints.
+    _parameter_constraints: dict = {
+        **{name: TurnActivationTransformer._parameter_constraints[name] for name in (
+            "model", "sites", "read", "prompt", "chat_template_kwargs", "cache_dir",
+            "device", "dtype", "batch_size", "verbose")},
+        **{name: GroupedArgmaxLogisticClassifier._parameter_constraints[name]
+           for name in ("C", "random_state")},
+        "cv": SiteSelector._parameter_constraints["cv"],
+    }
+
     def __init__(
         self,
         model="smollm2",
@@ -410,10 +429,17 @@ class FailureAttributor(BaseEstimator):
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         tags.estimator_type = None  # not a classifier: see Notes
-        tags.input_tags.two_d_array = False
-        tags.input_tags.string = True
+        tags.input_tags.two_d_array = False  # X is a list of Conversation
         tags.target_tags.required = False  # y defaults to the conversations' labels
         return tags
+
+    @classmethod
+    def _check_instances(cls):
+        """Instances for :mod:`skafa.utils.estimator_checks`."""
+        from .testing import register_tiny_model
+
+        return [cls(register_tiny_model(), sites=["resid_pre.1", "resid_final"], cv=3,
+                    random_state=0)]
 
     # ------------------------------------------------------------------ build
     def _make_pipeline(self):
@@ -438,6 +464,10 @@ class FailureAttributor(BaseEstimator):
         return AttributionPipeline([("acts", extractor), ("select", selector)])
 
     # -------------------------------------------------------------------- fit
+    @_fit_context(
+        # the pieces are validated when they are fitted
+        prefer_skip_nested_validation=False
+    )
     def fit(self, X, y=None, groups=None):
         """Extract activations, choose the site by grouped CV, fit the probe there.
 

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from numbers import Integral
 
 import numpy as np
 import scipy.sparse as sp
@@ -233,9 +234,22 @@ class PerTurn(TransformerMixin, MetaEstimatorMixin, BaseEstimator,
         first = next(iter(self.transformers_.values()))
         return np.asarray(first.get_feature_names_out(input_features), dtype=object)
 
+    @classmethod
+    def _check_instances(cls):
+        """Instances for :mod:`skafa.utils.estimator_checks`."""
+        from sklearn.decomposition import PCA
+        from sklearn.preprocessing import StandardScaler
+
+        return [cls(StandardScaler()), cls(PCA(n_components=2))]
+
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
-        tags.input_tags.sparse = get_tags(self.transformer).input_tags.sparse
+        # X is a TurnFeatures: bare arrays and sparse matrices are refused (sparse
+        # blocks inside a TurnFeatures are passed to the transformer).
+        tags.input_tags.two_d_array = False
+        tags.input_tags.sparse = False
+        tags.transformer_tags.preserves_dtype = list(
+            get_tags(self.transformer).transformer_tags.preserves_dtype)
         return tags
 
 
@@ -301,6 +315,12 @@ class TurnFeatureUnion(TransformerMixin, _BaseComposition, auto_wrap_output_keys
     >>> union.fit_transform([conv]).feature_names
     ('rel__relative', 'spk__speaker=a', 'spk__speaker=b', 'spk__speaker_other')
     """
+
+    _parameter_constraints: dict = {
+        "transformer_list": [list, tuple],  # the pairs: checked by _validate_transformers
+        "n_jobs": [Integral, None],
+        "verbose": ["verbose"],
+    }
 
     def __init__(self, transformer_list, *, n_jobs=None, verbose=False):
         self.transformer_list = transformer_list
@@ -391,6 +411,10 @@ class TurnFeatureUnion(TransformerMixin, _BaseComposition, auto_wrap_output_keys
         self.named_transformers_ = Bunch(**dict(self.transformer_list_))
         return [Xt for _, Xt in results]
 
+    @_fit_context(
+        # the transformers are validated when they are fitted
+        prefer_skip_nested_validation=False
+    )
     def fit(self, X, y=None):
         """Fit a clone of every transformer on ``X``.
 
@@ -409,6 +433,10 @@ class TurnFeatureUnion(TransformerMixin, _BaseComposition, auto_wrap_output_keys
         self._fit(X, y, want_output=False)
         return self
 
+    @_fit_context(
+        # the transformers are validated when they are fitted
+        prefer_skip_nested_validation=False
+    )
     def fit_transform(self, X, y=None):
         """Fit every transformer, transform ``X`` and concatenate per turn.
 
@@ -503,8 +531,17 @@ class TurnFeatureUnion(TransformerMixin, _BaseComposition, auto_wrap_output_keys
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         tags.input_tags.two_d_array = False
+        tags.transformer_tags.preserves_dtype = []  # the input has no dtype
         tags.requires_fit = True
         return tags
+
+    @classmethod
+    def _check_instances(cls):
+        """Instances for :mod:`skafa.utils.estimator_checks`."""
+        from .featurizers import TurnPositionTransformer, TurnTextTransformer
+
+        return [cls([("pos", TurnPositionTransformer(include=["relative", "speaker"])),
+                     ("text", TurnTextTransformer())])]
 
     def _sk_visual_block_(self):
         from .utils._sklearn_compat import _VisualBlock
@@ -534,6 +571,8 @@ class SiteConcatenator(TransformerMixin, BaseEstimator, auto_wrap_output_keys=No
         Name of the output site (``"+".join(sites_)``).
     n_site_features_ : int
         Features per input site seen in :meth:`fit`.
+    n_features_in_ : int
+        The same (scikit-learn's name).
     feature_names_out_ : ndarray of str
         Output feature names.
 
@@ -548,6 +587,8 @@ class SiteConcatenator(TransformerMixin, BaseEstimator, auto_wrap_output_keys=No
     (('c+a',), [[4.0, 5.0, 0.0, 1.0], [10.0, 11.0, 6.0, 7.0]])
     """
 
+    _parameter_constraints: dict = {"sites": [str, "array-like"]}
+
     def __init__(self, sites):
         self.sites = sites
 
@@ -558,7 +599,9 @@ class SiteConcatenator(TransformerMixin, BaseEstimator, auto_wrap_output_keys=No
                 f"SiteConcatenator takes TurnFeatures (e.g. from the activation extractor), "
                 f"got {type(X).__name__}."
             )
+        check_turn_features(X, "SiteConcatenator")
 
+    @_fit_context(prefer_skip_nested_validation=True)
     def fit(self, X, y=None):
         """Check that every requested site exists in ``X``.
 
@@ -573,8 +616,8 @@ class SiteConcatenator(TransformerMixin, BaseEstimator, auto_wrap_output_keys=No
         self : SiteConcatenator
         """
         self._check_input(X)
-        sites = [self.sites] if isinstance(self.sites, str) else self.sites
-        if not isinstance(sites, Sequence) or not sites:
+        sites = [self.sites] if isinstance(self.sites, str) else list(self.sites)
+        if not sites:
             raise ValueError(
                 f"SiteConcatenator: sites must be a non-empty list of names, got {self.sites!r}."
             )
@@ -592,6 +635,7 @@ class SiteConcatenator(TransformerMixin, BaseEstimator, auto_wrap_output_keys=No
         self.sites_ = sites
         self.site_name_ = "+".join(sites)
         self.n_site_features_ = X.n_features
+        self.n_features_in_ = X.n_features
         base = X.feature_names or tuple(f"x{k}" for k in range(X.n_features))
         self.feature_names_out_ = np.asarray(
             [f"{s}__{f}" for s in sites for f in base], dtype=object
@@ -650,8 +694,14 @@ class SiteConcatenator(TransformerMixin, BaseEstimator, auto_wrap_output_keys=No
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         tags.input_tags.two_d_array = False
+        tags.transformer_tags.preserves_dtype = ["float64", "float32"]
         tags.requires_fit = True
         return tags
+
+    @classmethod
+    def _check_instances(cls):
+        """Instances for :mod:`skafa.utils.estimator_checks`."""
+        return [cls("features")]  # the one block of a 2-D TurnFeatures
 
 
 # ------------------------------------------------------------------ pipelines
@@ -746,6 +796,30 @@ class AttributionPipeline(Pipeline):
     def __init__(self, steps, *, transform_input=None, memory=None, verbose=False):
         super().__init__(steps, transform_input=transform_input, memory=memory,
                          verbose=verbose)
+
+    @classmethod
+    def _check_instances(cls):
+        """Instances for :mod:`skafa.utils.estimator_checks`."""
+        from .featurizers import TurnPositionTransformer
+        from .probes import GroupedArgmaxLogisticClassifier
+
+        return [cls([("pos", TurnPositionTransformer()),
+                     ("probe", GroupedArgmaxLogisticClassifier())])]
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        # scikit-learn's Pipeline takes only some tags from its steps; the input a
+        # pipeline accepts is its first step's, the target it needs its last step's.
+        steps = [s for _, s in self.steps if s is not None and s != "passthrough"]
+        try:
+            first, last = get_tags(steps[0]), get_tags(steps[-1])
+        except (IndexError, ValueError, AttributeError, TypeError):
+            return tags  # invalid steps: fit reports them
+        for name in ("one_d_array", "two_d_array", "three_d_array", "categorical",
+                     "string", "dict", "positive_only", "allow_nan"):
+            setattr(tags.input_tags, name, getattr(first.input_tags, name))
+        tags.target_tags.required = last.target_tags.required
+        return tags
 
     @available_if(_final_estimator_has("predict_agent"))
     def predict_agent(self, X):

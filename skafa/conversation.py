@@ -76,9 +76,10 @@ class Conversation:
         The task the agents were given.
     expected_answer : str, default=""
         The expected final answer (Who&When's ``ground_truth``).
-    task_id : str or None, default=None
+    task_id : str, int or None, default=None
         Identifier of the task. Several runs can share a task, so use it as the
-        ``groups`` of a grouped splitter.
+        ``groups`` of a grouped splitter. It keeps its type (``1`` and ``"1"`` are
+        two tasks).
     mistake_step : int or None, default=None
         0-based index of the decisive turn, when labelled.
     mistake_agent : str or None, default=None
@@ -101,7 +102,7 @@ class Conversation:
     turns: tuple[Turn, ...]
     task: str = ""
     expected_answer: str = ""
-    task_id: str | None = None
+    task_id: str | int | None = None
     mistake_step: int | None = None
     mistake_agent: str | None = None
     record_id: str | None = None
@@ -133,7 +134,12 @@ class Conversation:
                         f"{where}: field {name!r} must be text, got {type(value).__name__}."
                     )
         if self.task_id is not None and not isinstance(self.task_id, str):
-            object.__setattr__(self, "task_id", str(self.task_id))
+            from .utils._validation import check_task_id
+
+            try:
+                object.__setattr__(self, "task_id", check_task_id(self.task_id))
+            except TypeError as exc:
+                raise ConversationError(f"{where}: {exc}") from None
         step = self.mistake_step
         if step is not None:
             if isinstance(step, bool) or not isinstance(step, int):
@@ -332,7 +338,7 @@ class Conversation:
         fallback_speaker_key: str | None = "role",
         task: str = "",
         expected_answer: str = "",
-        task_id: str | None = None,
+        task_id: str | int | None = None,
         mistake_step: int | None = None,
         mistake_agent: str | None = None,
         record_id: str | None = None,

@@ -14,11 +14,17 @@ import numbers
 
 import numpy as np
 from sklearn.base import BaseEstimator
-from sklearn.utils import check_random_state
+from sklearn.utils import check_random_state, metadata_routing
 from sklearn.utils.validation import check_is_fitted
 
 from .features import TurnFeatures
-from .utils._validation import check_conversations, check_int, check_steps
+from .utils._sklearn_compat import (
+    Interval,
+    StrOptions,
+    _check_sample_weight,
+    _fit_context,
+)
+from .utils._validation import check_conversations, check_steps, check_turn_features
 
 __all__ = ["DummyStepClassifier"]
 
@@ -70,12 +76,13 @@ class DummyStepClassifier(BaseEstimator):
     ----------
     n_train_ : int
         Number of training conversations.
-    step_counts_ : ndarray of int
-        ``step_counts_[i]``: training conversations whose decisive step is ``i``.
+    step_counts_ : ndarray of float
+        ``step_counts_[i]``: total weight (number, without ``sample_weight``) of the
+        training conversations whose decisive step is ``i``.
     most_frequent_step_ : int
         The most frequent training step (smallest on ties).
-    relative_bin_counts_ : ndarray of int, shape (n_bins,)
-        Training steps per relative-position bin.
+    relative_bin_counts_ : ndarray of float, shape (n_bins,)
+        Training steps (weights) per relative-position bin.
     most_frequent_bin_ : int
         The most frequent bin (smallest on ties).
 
@@ -95,6 +102,16 @@ class DummyStepClassifier(BaseEstimator):
     ([1, 2, 2], 1.0)
     """
 
+    # ``groups`` is accepted for API uniformity only (see skafa.probes).
+    __metadata_request__fit = {"groups": metadata_routing.UNUSED}
+
+    _parameter_constraints: dict = {
+        "strategy": [StrOptions(set(_STRATEGIES))],
+        "constant": [numbers.Integral, None],
+        "n_bins": [Interval(numbers.Integral, 1, None, closed="left")],
+        "random_state": ["random_state"],
+    }
+
     def __init__(self, *, strategy="first", constant=None, n_bins=10, random_state=None):
         self.strategy = strategy
         self.constant = constant
@@ -105,7 +122,7 @@ class DummyStepClassifier(BaseEstimator):
     @staticmethod
     def _turn_counts(X):
         if isinstance(X, TurnFeatures):
-            return X.n_turns.astype(np.int64)
+            return check_turn_features(X, "DummyStepClassifier").n_turns.astype(np.int64)
         convs = check_conversations(X, "DummyStepClassifier")
         return np.asarray([len(c) for c in convs], dtype=np.int64)
 
@@ -114,7 +131,8 @@ class DummyStepClassifier(BaseEstimator):
         return check_steps(y, X if isinstance(X, TurnFeatures) else list(X))
 
     # -------------------------------------------------------------------- fit
-    def fit(self, X, y, groups=None):
+    @_fit_context(prefer_skip_nested_validation=True)
+    def fit(self, X, y, groups=None, sample_weight=None):
         """Record the training step distribution.
 
         Parameters
@@ -125,32 +143,30 @@ class DummyStepClassifier(BaseEstimator):
             Decisive step of each conversation.
         groups : array-like, default=None
             Ignored; accepted for API compatibility.
+        sample_weight : array-like of shape (n_conversations,), default=None
+            Conversation weights of the step and bin counts (``"most_frequent"``
+            and ``"most_frequent_relative"``); ``None`` weighs every conversation 1.
 
         Returns
         -------
         self : DummyStepClassifier
             Fitted estimator.
         """
-        if self.strategy not in _STRATEGIES:
+        if self.strategy == "constant" and (
+                self.constant is None or isinstance(self.constant, bool)):
             raise ValueError(
-                f"DummyStepClassifier: unknown strategy {self.strategy!r}; choose from "
-                f"{list(_STRATEGIES)}."
+                "DummyStepClassifier: strategy='constant' needs an int constant "
+                f"(a turn index; negative counts from the end), got {self.constant!r}."
             )
-        if self.strategy == "constant":
-            c = self.constant
-            if c is None or isinstance(c, bool) or not isinstance(c, numbers.Integral):
-                raise ValueError(
-                    "DummyStepClassifier: strategy='constant' needs an int constant "
-                    f"(a turn index; negative counts from the end), got {c!r}."
-                )
-        n_bins = check_int(self.n_bins, "n_bins", minimum=1, caller="DummyStepClassifier")
         n_turns = self._turn_counts(X)
         y = self._check_y(X, y, n_turns)
+        weights = (np.ones(y.size) if sample_weight is None
+                   else _check_sample_weight(sample_weight, np.empty(y.size)))
         self.n_train_ = int(y.size)
-        self.step_counts_ = np.bincount(y)
+        self.step_counts_ = np.bincount(y, weights=weights)
         self.most_frequent_step_ = int(np.argmax(self.step_counts_))
-        self.relative_bin_counts_ = np.bincount(_relative_bins(y, n_turns, n_bins),
-                                                minlength=n_bins)
+        self.relative_bin_counts_ = np.bincount(_relative_bins(y, n_turns, self.n_bins),
+                                                weights=weights, minlength=self.n_bins)
         self.most_frequent_bin_ = int(np.argmax(self.relative_bin_counts_))
         return self
 
@@ -253,13 +269,15 @@ class DummyStepClassifier(BaseEstimator):
         """
         return self.turn_predict_proba(X)
 
-    def score(self, X, y):
+    def score(self, X, y, sample_weight=None):
         """Step accuracy of :meth:`predict` on ``X``.
 
         Parameters
         ----------
         X : list of Conversation or TurnFeatures
         y : array-like of int, shape (n_conversations,)
+        sample_weight : array-like of shape (n_conversations,), default=None
+            Conversation weights (a weighted mean of hits).
 
         Returns
         -------
@@ -267,7 +285,10 @@ class DummyStepClassifier(BaseEstimator):
         """
         steps = self.predict(X)
         y = self._check_y(X, y, self._turn_counts(X))
-        return float(np.mean(steps == y))
+        if sample_weight is None:
+            return float(np.mean(steps == y))
+        sample_weight = _check_sample_weight(sample_weight, np.empty(y.size))
+        return float(np.average(steps == y, weights=sample_weight))
 
     def expected_accuracy(self, X, y):
         """Expected step accuracy over the strategy's randomness.

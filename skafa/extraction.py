@@ -32,8 +32,11 @@ from sklearn.utils.validation import check_is_fitted
 from .cache import ActivationCache, activation_key
 from .conversation import Conversation
 from .features import TurnFeatures
+from .models import ModelHandle
 from .prompt import READS as _READ
+from .prompt import PromptTemplate
 from .sites import decoder_layout, parse_site, site_depth, validate_sites
+from .utils._sklearn_compat import Interval, StrOptions, _fit_context
 
 __all__ = ["TurnActivationTransformer", "extract_activations", "SiteReader"]
 
@@ -410,11 +413,12 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
         (:meth:`skafa.prompt.PromptTemplate.rendering`; part of the cache key).
     tokenizer_fingerprint_ : str
         sha256 of the tokenizer and its chat template (part of the cache key).
-    n_forward_passes_ : int
-        Forward passes run by :meth:`transform` since :meth:`fit` (cache hits run
-        none).
-    cache_stats_ : dict
-        Hit/miss counters of this estimator's cache since :meth:`fit`.
+
+    Notes
+    -----
+    :meth:`transform` changes no fitted attribute. What it did (forward passes run,
+    cache hits and misses) is reported by :attr:`run_stats`, which is run-time
+    state: reset by :meth:`fit`, not saved by :func:`skafa.save`, not pickled.
 
     Examples
     --------
@@ -424,6 +428,20 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
     >>> X.values.shape  # doctest: +SKIP
     (n_turns_total, 1, 576)
     """
+
+    _parameter_constraints: dict = {
+        "model": "no_validation",  # checked in fit, with a hint on registering models
+        "sites": [None, str, "array-like"],
+        "read": [StrOptions(set(_READ))],
+        "prompt": [PromptTemplate, None],
+        "chat_template_kwargs": [Mapping, None],
+        "device": [str],
+        "dtype": [str],
+        "cache_dir": [str, os.PathLike, None],
+        "memory_cache": ["boolean"],
+        "batch_size": [Interval(numbers.Integral, 1, None, closed="left")],
+        "verbose": ["verbose"],
+    }
 
     def __init__(self, model="smollm2", *, sites=None, read="last", prompt=None,
                  chat_template_kwargs=None, device="cpu", dtype="float32", cache_dir=None,
@@ -445,53 +463,46 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
         tags = super().__sklearn_tags__()
         tags.input_tags.two_d_array = False
         tags.requires_fit = True
+        tags.transformer_tags.preserves_dtype = []  # the input has no dtype
         tags.target_tags.required = False
         tags.non_deterministic = False
         return tags
 
+    @classmethod
+    def _check_instances(cls):
+        """Instances for :mod:`skafa.utils.estimator_checks`."""
+        from .testing import register_tiny_model
+
+        return [cls(register_tiny_model(), sites=["resid_pre.1", "resid_final"]),
+                cls(register_tiny_model(), sites=["mlp_in.0"], read="mean", batch_size=3)]
+
     def __getstate__(self):
         state = dict(super().__getstate__())  # a copy: never strip the live object
-        for name in ("_model", "_tokenizer", "_layout", "_cache"):
+        for name in ("_model", "_tokenizer", "_layout", "_cache", "_run_stats"):
             state.pop(name, None)
         return state
 
     # -------------------------------------------------------------- helpers
-    def _validate_params(self):
-        from .models import ModelHandle
-        from .prompt import PromptTemplate
+    @property
+    def run_stats(self):
+        """What :meth:`transform` did since :meth:`fit` (run-time state, not fitted).
 
-        if not isinstance(self.model, (str, os.PathLike, ModelHandle)):
-            raise TypeError(
-                "model must be a model name or path (str), not a loaded "
-                f"{type(self.model).__name__}: skafa loads and caches models itself so "
-                "that cloning an estimator never copies weights. Register a model you "
-                "loaded yourself with skafa.models.register_model(name, model, tokenizer) "
-                "and pass the name."
-            )
-        if not isinstance(self.read, str) or self.read not in _READ:
-            raise ValueError(f"read must be one of {_READ}, got {self.read!r}.")
-        if self.prompt is not None and not isinstance(self.prompt, PromptTemplate):
-            raise TypeError(
-                f"prompt must be a skafa.prompt.PromptTemplate or None, got "
-                f"{type(self.prompt).__name__}."
-            )
-        if self.chat_template_kwargs is not None and not isinstance(
-                self.chat_template_kwargs, Mapping):
-            raise TypeError(
-                "chat_template_kwargs must be a dict or None, got "
-                f"{type(self.chat_template_kwargs).__name__}."
-            )
-        if (isinstance(self.batch_size, bool) or not isinstance(self.batch_size, numbers.Integral)
-                or self.batch_size < 1):
-            raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}.")
-        if not isinstance(self.verbose, numbers.Integral):
-            raise ValueError(f"verbose must be an int, got {self.verbose!r}.")
-        if not isinstance(self.memory_cache, (bool, np.bool_)):
-            raise ValueError(f"memory_cache must be True or False, got {self.memory_cache!r}.")
-        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
-            raise TypeError(f"cache_dir must be a path or None, got {type(self.cache_dir).__name__}.")
-        if not isinstance(self.dtype, str):
-            raise TypeError(f"dtype must be a string such as 'float32', got {self.dtype!r}.")
+        Returns
+        -------
+        stats : dict
+            ``n_forward_passes`` (forward passes run; cache hits run none) and the
+            counters of this estimator's activation cache (``memory_hits``,
+            ``disk_hits``, ``misses``, ``corrupt``, ``writes``, ...). A copy: later
+            calls of :meth:`transform` do not change it. Counting restarts at
+            :meth:`fit`, and at zero after unpickling or :func:`skafa.load`.
+        """
+        check_is_fitted(self, "sites_")
+        cache = getattr(self, "_cache", None)
+        stats = {"n_forward_passes": int(getattr(self, "_run_stats", {}).get(
+            "n_forward_passes", 0))}
+        if cache is not None:
+            stats.update(cache.stats)
+        return stats
 
     def _load(self):
         from .models import load_model
@@ -514,8 +525,11 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
                 )
         if getattr(self, "_cache", None) is None:
             self._cache = ActivationCache(self.cache_dir, memory=bool(self.memory_cache))
+        if getattr(self, "_run_stats", None) is None:
+            self._run_stats = {"n_forward_passes": 0}
 
     # ------------------------------------------------------------------ API
+    @_fit_context(prefer_skip_nested_validation=True)
     def fit(self, X, y=None):
         """Load the model and fix the sites; no forward pass.
 
@@ -531,9 +545,15 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
         self : TurnActivationTransformer
         """
         from .models import context_length, model_fingerprint, model_identity
-        from .prompt import PromptTemplate
 
-        self._validate_params()
+        if not isinstance(self.model, (str, os.PathLike, ModelHandle)):
+            raise TypeError(
+                "model must be a model name or path (str), not a loaded "
+                f"{type(self.model).__name__}: skafa loads and caches models itself so "
+                "that cloning an estimator never copies weights. Register a model you "
+                "loaded yourself with skafa.models.register_model(name, model, tokenizer) "
+                "and pass the name."
+            )
         _check_conversations(X)
         model = self._load()
         layout = self._layout
@@ -549,9 +569,28 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
         self.rendering_ = self.prompt_.rendering(self._tokenizer)
         self.tokenizer_fingerprint_ = _tokenizer_fingerprint(self._tokenizer)
         self._cache = ActivationCache(self.cache_dir, memory=bool(self.memory_cache))
-        self.cache_stats_ = self._cache.stats
-        self.n_forward_passes_ = 0
+        self._run_stats = {"n_forward_passes": 0}
         return self
+
+    def get_feature_names_out(self, input_features=None):
+        """Names of the features of every site: ``x0`` ... ``x{hidden_size_ - 1}``.
+
+        The same names :meth:`TurnFeatures.concatenate
+        <skafa.TurnFeatures.concatenate>` gives unnamed features, so
+        ``TurnFeatureUnion([("acts", extractor), ...]).get_feature_names_out()``
+        matches the ``feature_names`` of its output.
+
+        Parameters
+        ----------
+        input_features : None
+            Ignored (the input is conversations).
+
+        Returns
+        -------
+        feature_names_out : ndarray of str, shape (hidden_size_,)
+        """
+        check_is_fitted(self, "sites_")
+        return np.asarray([f"x{k}" for k in range(self.hidden_size_)], dtype=object)
 
     def _key(self, conversation, template_date=None):
         return activation_key(
@@ -594,7 +633,6 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
         X = _check_conversations(X)
         self._ensure_loaded()
         cache = self._cache
-        self.cache_stats_ = cache.stats
         sites, hidden = self.sites_, self.hidden_size_
         n_turns = np.array([len(c) for c in X], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(n_turns)]).astype(np.int64)
@@ -675,4 +713,4 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
         finally:
             if bar is not None:
                 bar.close()
-        self.n_forward_passes_ += n_batches
+        self._run_stats["n_forward_passes"] += n_batches

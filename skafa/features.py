@@ -59,9 +59,9 @@ class TurnFeatures:
     speakers : sequence of str, optional
         Speaker of every turn (length ``n_turns_total``), so the responsible agent
         can be read off a predicted step.
-    task_ids : sequence, optional
+    task_ids : sequence of str, int or None, optional
         Task id of every conversation (length ``n_conversations``), usable as
-        ``groups``.
+        ``groups``. Ids keep their type: ``1`` and ``"1"`` are two tasks.
 
     Attributes
     ----------
@@ -136,8 +136,11 @@ class TurnFeatures:
                     f"speakers must have one entry per turn ({n_total}), got {speakers.shape[0]}."
                 )
         if task_ids is not None:
+            from .utils._validation import check_task_id
+
             task_ids = np.asarray(
-                [None if t is None else str(t) for t in task_ids], dtype=object
+                [check_task_id(t, f"task_ids[{i}]") for i, t in enumerate(task_ids)],
+                dtype=object,
             )
             if task_ids.shape != (sizes.size,):
                 raise ValueError(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from numbers import Integral
 
 import numpy as np
 import scipy.sparse as sp
@@ -31,7 +32,8 @@ from sklearn.base import BaseEstimator, TransformerMixin, clone
 from sklearn.utils.validation import check_is_fitted
 
 from .features import TurnFeatures
-from .utils._validation import check_conversations, check_int, task_ids_of
+from .utils._sklearn_compat import HasMethods, Interval, _fit_context
+from .utils._validation import check_conversations, task_ids_of
 
 __all__ = ["TurnPositionTransformer", "TurnTextTransformer", "POSITION_FEATURE_GROUPS"]
 
@@ -114,6 +116,12 @@ class TurnPositionTransformer(TransformerMixin, BaseEstimator, auto_wrap_output_
     [[0.0, 1.0, 0.0], [1.0, 0.0, 1.0]]
     """
 
+    _parameter_constraints: dict = {
+        "max_index": [Interval(Integral, 1, None, closed="left")],
+        "include": ["array-like"],  # group names: checked by _validated_include
+        "min_speaker_frequency": [Interval(Integral, 1, None, closed="left")],
+    }
+
     def __init__(self, *, max_index=10, include=POSITION_FEATURE_GROUPS, min_speaker_frequency=1):
         self.max_index = max_index
         self.include = include
@@ -139,6 +147,7 @@ class TurnPositionTransformer(TransformerMixin, BaseEstimator, auto_wrap_output_
             raise ValueError(f"TurnPositionTransformer: include has duplicates: {include}.")
         return set(include)
 
+    @_fit_context(prefer_skip_nested_validation=True)
     def fit(self, X, y=None):
         """Learn the speaker vocabulary from the training conversations.
 
@@ -155,10 +164,7 @@ class TurnPositionTransformer(TransformerMixin, BaseEstimator, auto_wrap_output_
             Fitted transformer.
         """
         convs = check_conversations(X, "TurnPositionTransformer")
-        caller = "TurnPositionTransformer"
-        check_int(self.max_index, "max_index", minimum=1, caller=caller)
-        min_freq = check_int(self.min_speaker_frequency, "min_speaker_frequency",
-                              minimum=1, caller=caller)
+        min_freq = int(self.min_speaker_frequency)
         groups = self._validated_include()
         counts = Counter(t.speaker for conv in convs for t in conv.turns)
         self.speaker_counts_ = dict(sorted(counts.items()))
@@ -271,6 +277,7 @@ class TurnPositionTransformer(TransformerMixin, BaseEstimator, auto_wrap_output_
         tags = super().__sklearn_tags__()
         tags.input_tags.two_d_array = False
         tags.requires_fit = True
+        tags.transformer_tags.preserves_dtype = []  # the input has no dtype
         return tags
 
 
@@ -311,6 +318,11 @@ class TurnTextTransformer(TransformerMixin, BaseEstimator, auto_wrap_output_keys
     (('add', 'plus', 'two'), [[1, 0, 1], [0, 1, 2]])
     """
 
+    _parameter_constraints: dict = {
+        "vectorizer": [HasMethods(["fit", "transform"]), None],
+        "include_speaker": ["boolean"],
+    }
+
     def __init__(self, vectorizer=None, *, include_speaker=False):
         self.vectorizer = vectorizer
         self.include_speaker = include_speaker
@@ -325,11 +337,6 @@ class TurnTextTransformer(TransformerMixin, BaseEstimator, auto_wrap_output_keys
             from sklearn.feature_extraction.text import TfidfVectorizer
 
             return TfidfVectorizer(sublinear_tf=True, min_df=2, max_features=20000)
-        if not (hasattr(self.vectorizer, "fit") and hasattr(self.vectorizer, "transform")):
-            raise TypeError(
-                "TurnTextTransformer: vectorizer must implement fit and transform, got "
-                f"{type(self.vectorizer).__name__}."
-            )
         return clone(self.vectorizer)
 
     def _wrap(self, matrix, convs):
@@ -364,6 +371,10 @@ class TurnTextTransformer(TransformerMixin, BaseEstimator, auto_wrap_output_keys
             return None
         return names if len(names) == n_features else None
 
+    @_fit_context(
+        # the vectorizer is validated when it is fitted
+        prefer_skip_nested_validation=False
+    )
     def fit(self, X, y=None):
         """Fit the vectorizer on the text of every training turn.
 
@@ -382,6 +393,10 @@ class TurnTextTransformer(TransformerMixin, BaseEstimator, auto_wrap_output_keys
         self.fit_transform(X)
         return self
 
+    @_fit_context(
+        # the vectorizer is validated when it is fitted
+        prefer_skip_nested_validation=False
+    )
     def fit_transform(self, X, y=None):
         """Fit the vectorizer and return the training turns' features.
 
@@ -451,7 +466,7 @@ class TurnTextTransformer(TransformerMixin, BaseEstimator, auto_wrap_output_keys
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
-        tags.input_tags.two_d_array = False
-        tags.input_tags.string = True
+        tags.input_tags.two_d_array = False  # a list of Conversation, not strings
         tags.requires_fit = True
+        tags.transformer_tags.preserves_dtype = []  # the input has no dtype
         return tags

@@ -36,6 +36,9 @@ from sklearn.base import BaseEstimator
 from sklearn.utils import Bunch
 from sklearn.utils.validation import check_is_fitted
 
+from .models import ModelHandle
+from .prompt import PromptTemplate
+from .utils._sklearn_compat import Interval, StrOptions, _fit_context
 from .utils._validation import (
     check_conversations,
     check_steps,
@@ -460,6 +463,19 @@ class PromptedJudge(BaseEstimator):
     array([3, 0, 5, ...])
     """
 
+    _parameter_constraints: dict = {
+        "model": "no_validation",  # checked in fit, with a hint on registering models
+        "prompt": [PromptTemplate, None],
+        "chat_template_kwargs": [dict, None],
+        "answer_prefix": [str],
+        "mode": [StrOptions(set(_MODES))],
+        "max_new_tokens": [Interval(numbers.Integral, 1, None, closed="left")],
+        "device": [str],
+        "dtype": [str],
+        "batch_size": [Interval(numbers.Integral, 1, None, closed="left")],
+        "verbose": ["verbose"],
+    }
+
     def __init__(
         self,
         model="smollm2",
@@ -490,46 +506,29 @@ class PromptedJudge(BaseEstimator):
         # Conversation-level, zero-shot: X is a list of Conversation, y is optional.
         tags.estimator_type = None
         tags.input_tags.two_d_array = False
-        tags.input_tags.string = True
         tags.target_tags.required = False
         tags.non_deterministic = False
         return tags
 
-    # ------------------------------------------------------------------ plumbing
-    def _validate_params(self):
-        from .models import ModelHandle
+    @classmethod
+    def _check_instances(cls):
+        """Instances for :mod:`skafa.utils.estimator_checks`."""
+        from .testing import register_tiny_model
 
+        return [cls(register_tiny_model()), cls(register_tiny_model(), mode="generate",
+                                                max_new_tokens=2)]
+
+    # ------------------------------------------------------------------ plumbing
+    def _check_model(self):
         if not isinstance(self.model, (str, os.PathLike, ModelHandle)) or not str(self.model):
             raise TypeError(
                 "model must be a model name or path (str) loaded through "
                 f"skafa.models.load_model, got {type(self.model).__name__}. To use a model "
                 "object, register it with skafa.models.register_model and pass its name."
             )
-        if self.mode not in _MODES:
-            raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}.")
-        if not isinstance(self.answer_prefix, str):
-            raise TypeError(
-                f"answer_prefix must be a str, got {type(self.answer_prefix).__name__}."
-            )
-        for name in ("max_new_tokens", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}.")
-        if self.chat_template_kwargs is not None and not isinstance(
-            self.chat_template_kwargs, dict
-        ):
-            raise TypeError("chat_template_kwargs must be a dict or None.")
 
     def _resolve_prompt(self):
-        from .prompt import PromptTemplate
-
-        if self.prompt is None:
-            return PromptTemplate()
-        if not isinstance(self.prompt, PromptTemplate):
-            raise TypeError(
-                f"prompt must be a PromptTemplate or None, got {type(self.prompt).__name__}."
-            )
-        return self.prompt
+        return PromptTemplate() if self.prompt is None else self.prompt
 
     def _load(self):
         from .models import load_model
@@ -537,6 +536,7 @@ class PromptedJudge(BaseEstimator):
         return load_model(self.model, device=self.device, dtype=self.dtype)
 
     # ------------------------------------------------------------------ fit
+    @_fit_context(prefer_skip_nested_validation=True)
     def fit(self, X, y=None, groups=None):
         """Validate the conversations and load the model. Learns nothing from ``y``.
 
@@ -554,7 +554,7 @@ class PromptedJudge(BaseEstimator):
         self : PromptedJudge
             The fitted judge.
         """
-        self._validate_params()
+        self._check_model()
         convs = check_conversations(X, "PromptedJudge")
         if y is not None:
             _check_steps(y, convs)

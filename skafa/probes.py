@@ -36,8 +36,8 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import StandardScaler
-from sklearn.utils import get_tags, metadata_routing
-from sklearn.utils.validation import check_is_fitted
+from sklearn.utils import metadata_routing
+from sklearn.utils.validation import check_is_fitted, has_fit_parameter
 
 from .metrics import step_accuracy
 from .utils._grouped import (
@@ -94,6 +94,18 @@ class _BaseGroupedArgmax(BaseEstimator):
 
     def _after_fit(self, M):
         """Hook for subclasses to expose fitted attributes of ``estimator_``."""
+
+    def _fit_turn_estimator(self, estimator, M, labels, row_weight):
+        """Fit the turn estimator on the rows, with per-row weights when given."""
+        if row_weight is None:
+            estimator.fit(M, labels)
+            return
+        if not has_fit_parameter(estimator, "sample_weight"):
+            raise TypeError(
+                f"sample_weight was given but the turn estimator {estimator!r} does not "
+                "accept sample_weight in fit."
+            )
+        estimator.fit(M, labels, sample_weight=row_weight)
 
     # ------------------------------------------------------------------ helpers
     def _site_for_fit(self, X):
@@ -175,7 +187,7 @@ class _BaseGroupedArgmax(BaseEstimator):
         # the wrapped estimator is validated when it is fitted
         prefer_skip_nested_validation=False
     )
-    def fit(self, X, y, groups=None):
+    def fit(self, X, y, groups=None, sample_weight=None):
         """Fit the turn-level binary model.
 
         Parameters
@@ -188,6 +200,12 @@ class _BaseGroupedArgmax(BaseEstimator):
         groups : array-like, default=None
             Ignored; accepted so every conversation-level estimator shares
             ``fit(X, y, groups=None)`` (groups only feed splitters).
+        sample_weight : array-like of shape (n_conversations,), default=None
+            Conversation weights: every turn row of conversation ``i`` gets weight
+            ``sample_weight[i]`` in the turn model's fit (and in the scaler's, for
+            :class:`GroupedArgmaxLogisticClassifier`), so an integer weight
+            equals repeating the conversation. The turn estimator must accept
+            ``sample_weight`` in ``fit``.
 
         Returns
         -------
@@ -196,6 +214,8 @@ class _BaseGroupedArgmax(BaseEstimator):
         """
         X, site, M = self._turn_matrix(X, fitting=True)
         y = check_steps(y, X)
+        if sample_weight is not None:
+            sample_weight = _check_sample_weight(sample_weight, np.empty(len(X)))
         if np.all(X.n_turns == 1):
             raise ValueError(
                 "every training conversation has a single turn, so there is no "
@@ -215,7 +235,8 @@ class _BaseGroupedArgmax(BaseEstimator):
                 f"the turn estimator {estimator!r} implements neither "
                 "decision_function nor predict_proba, so turns cannot be ranked."
             )
-        estimator.fit(M, labels)
+        row_weight = None if sample_weight is None else np.repeat(sample_weight, X.n_turns)
+        self._fit_turn_estimator(estimator, M, labels, row_weight)
 
         self.estimator_ = estimator
         self.response_method_ = response_method
@@ -332,7 +353,10 @@ class _BaseGroupedArgmax(BaseEstimator):
         tags = super().__sklearn_tags__()
         # Not a classifier on purpose (see module docstring): estimator_type None.
         tags.target_tags.required = True
-        tags.input_tags.sparse = True
+        # X is a TurnFeatures (ragged, one entry per conversation): bare arrays and
+        # sparse matrices are refused (sparse blocks inside a TurnFeatures are read).
+        tags.input_tags.two_d_array = False
+        tags.input_tags.sparse = False
         return tags
 
 
@@ -411,12 +435,6 @@ class GroupedArgmaxClassifier(MetaEstimatorMixin, _BaseGroupedArgmax):
         if self.estimator is None:
             return LogisticRegression()
         return clone(self.estimator)
-
-    def __sklearn_tags__(self):
-        tags = super().__sklearn_tags__()
-        if self.estimator is not None:
-            tags.input_tags.sparse = get_tags(self.estimator).input_tags.sparse
-        return tags
 
 
 class GroupedArgmaxLogisticClassifier(_BaseGroupedArgmax):
@@ -542,6 +560,16 @@ class GroupedArgmaxLogisticClassifier(_BaseGroupedArgmax):
             return logistic
         scaler = StandardScaler(with_mean=not sp.issparse(M))
         return Pipeline([("scaler", scaler), ("logistic", logistic)])
+
+    def _fit_turn_estimator(self, estimator, M, labels, row_weight):
+        if row_weight is None or not self.standardize:
+            super()._fit_turn_estimator(estimator, M, labels, row_weight)
+            return
+        # Fit the steps one by one: weights reach the scaler and the logistic
+        # regression whether or not metadata routing is enabled.
+        scaler, logistic = (step for _, step in estimator.steps)
+        Z = scaler.fit(M, sample_weight=row_weight).transform(M)
+        logistic.fit(Z, labels, sample_weight=row_weight)
 
     def _after_fit(self, M):
         if self.standardize:

@@ -43,7 +43,7 @@ from .utils._sklearn_compat import (
     _routing_enabled,
     _safe_indexing,
 )
-from .utils._validation import check_steps, check_turn_features
+from .utils._validation import check_steps, check_turn_features, group_labels
 
 __all__ = ["SiteSelector", "SiteEnsemble", "site_sweep"]
 
@@ -115,7 +115,7 @@ def _grouped_splits(cv, X, y, split_params, task_ids):
     split_params = dict(split_params)
     if (split_params.get("groups") is None and task_ids is not None
             and not _ignores_groups(cv) and all(t is not None for t in task_ids)):
-        split_params["groups"] = task_ids
+        split_params["groups"] = group_labels(task_ids)
     try:
         return list(cv.split(X, y, **split_params))
     except ValueError as exc:
@@ -500,6 +500,9 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
                     self.estimator, sites=list(self.best_sites_), n_jobs=self.n_jobs
                 ).fit(X.select_sites(list(self.best_sites_)), y, **fit_params)
             self.refit_time_ = time.perf_counter() - start
+        else:  # a previous fit's refitted estimator is not this fit's
+            for name in ("best_estimator_", "refit_time_"):
+                self.__dict__.pop(name, None)
         return self
 
     # --------------------------------------------------------------- delegation
@@ -531,7 +534,12 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
 
     @property
     def n_features_in_(self):
-        """Number of features per turn seen by the best estimator."""
+        """Number of features per turn seen by the best estimator (``refit=True``)."""
+        if "best_estimator_" not in self.__dict__:
+            raise AttributeError(
+                f"{type(self).__name__} has no n_features_in_: it is not fitted, or was "
+                "fitted with refit=False (no best_estimator_)."
+            )
         return self.best_estimator_.n_features_in_
 
     @available_if(_estimator_has("predict"))
@@ -642,11 +650,20 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
         )
         return router
 
+    @classmethod
+    def _check_instances(cls):
+        """Instances for :mod:`skafa.utils.estimator_checks`."""
+        from .probes import GroupedArgmaxLogisticClassifier
+
+        return [cls(GroupedArgmaxLogisticClassifier(), cv=3)]
+
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         # Not a classifier: see skafa.estimators; estimator_type stays None.
         tags.target_tags.required = True
-        tags.input_tags.sparse = get_tags(self.estimator).input_tags.sparse
+        # X is a TurnFeatures: bare arrays and sparse matrices are refused.
+        tags.input_tags.two_d_array = False
+        tags.input_tags.sparse = False
         return tags
 
 

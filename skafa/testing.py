@@ -45,6 +45,7 @@ __all__ = [
     "make_tiny_gemma",
     "make_tiny_gemma3",
     "make_conversations",
+    "register_tiny_model",
 ]
 
 #: Special tokens of the tiny tokenizer, in id order (ids 0..6).
@@ -449,3 +450,32 @@ def make_conversations(n=6, *, min_turns=2, max_turns=6, seed=0,
             record_id=f"synthetic/{i}",
         ))
     return convs
+
+
+def register_tiny_model(name="skafa-tiny-llama"):
+    """Register a tiny random Llama and its tokenizer under ``name``, once.
+
+    The model estimators take a model *name* (:func:`skafa.models.load_model`);
+    this gives tests, doctests and :mod:`skafa.utils.estimator_checks` one to use
+    without any download. Registering again under the same name is a no-op.
+
+    Parameters
+    ----------
+    name : str, default="skafa-tiny-llama"
+
+    Returns
+    -------
+    name : str
+
+    Examples
+    --------
+    >>> from skafa import TurnActivationTransformer
+    >>> extractor = TurnActivationTransformer(register_tiny_model(), sites=["resid_final"])
+    >>> extractor.fit_transform(make_conversations(2)).values.shape[1:]
+    (1, 32)
+    """
+    from .models import register_model, registered_models
+
+    if name not in registered_models():
+        register_model(name, make_tiny_llama(), make_tiny_tokenizer())
+    return name

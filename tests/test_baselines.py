@@ -362,7 +362,7 @@ def test_dummy_uniform_reproducible_and_expected_accuracy():
 
 
 @pytest.mark.parametrize("params, y, match", [
-    (dict(strategy="nope"), [0], "unknown strategy"),
+    (dict(strategy="nope"), [0], "'strategy' parameter of DummyStepClassifier"),
     (dict(strategy="constant"), [0], "needs an int constant"),
     (dict(), [3], r"y\[0\]=3 is outside conversation 0 \(task 't0'\)"),
     (dict(), [0, 1], "1 conversations"),

@@ -7,8 +7,6 @@ language model.
 """
 
 import pickle
-import traceback
-import unittest
 import warnings
 
 import joblib
@@ -28,17 +26,13 @@ from sklearn.model_selection import (
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import StandardScaler
 from sklearn.utils import estimator_html_repr
-from sklearn.utils.estimator_checks import parametrize_with_checks
 from sklearn.utils.validation import check_is_fitted
 
 from skafa import (
     GroupedArgmaxClassifier,
     GroupedArgmaxLogisticClassifier,
-    GroupedSoftmaxClassifier,
     PerTurn,
-    SiteEnsemble,
     TurnFeatures,
-    TurnScoreStacker,
 )
 from skafa.selection import SiteSelector
 
@@ -240,97 +234,8 @@ def test_html_repr(fitted_pipeline):
 
 
 # ------------------------------------------------------- estimator checks
-_ARRAY_INPUT = (
-    "feeds a plain NumPy array; skafa estimators take ragged TurnFeatures (one sample = "
-    "one conversation) and reject arrays with a TypeError that points to "
-    "TurnActivationTransformer / PerTurn"
-)
-_ARRAY_CHECKS = [
-    "check_fit_score_takes_y",
-    "check_estimators_overwrite_params",
-    "check_dont_overwrite_parameters",
-    "check_estimators_fit_returns_self",
-    "check_readonly_memmap_input",
-    "check_n_features_in_after_fitting",
-    "check_positive_only_tag_during_fit",
-    "check_estimators_dtypes",
-    "check_complex_data",
-    "check_dtype_object",
-    "check_pipeline_consistency",
-    "check_estimators_pickle",
-    "check_f_contiguous_array_estimator",
-    "check_methods_sample_order_invariance",
-    "check_methods_subset_invariance",
-    "check_fit2d_1sample",
-    "check_fit2d_1feature",
-    "check_dict_unchanged",
-    "check_fit_idempotent",
-    "check_fit_check_is_fitted",
-    "check_n_features_in",
-    "check_fit1d",
-    "check_fit2d_predict1d",
-]
-_SPECIAL = {
-    "check_estimators_empty_data_messages": (
-        "expects a ValueError for an empty array; arrays are rejected with a TypeError "
-        "first, and an empty TurnFeatures cannot be built"
-    ),
-    "check_estimators_nan_inf": (
-        "puts NaN/inf in a plain array; NaN/inf inside TurnFeatures raise a ValueError "
-        "naming conversation, turn and site (tests/test_estimators.py)"
-    ),
-    "check_estimator_sparse_tag": (
-        "fits a bare sparse matrix; sparse blocks are supported inside TurnFeatures "
-        "(tests/test_estimators.py::test_sparse_tfidf_like_input)"
-    ),
-    "check_estimator_sparse_array": "fits a bare sparse array, not TurnFeatures",
-    "check_estimator_sparse_matrix": "fits a bare sparse matrix, not TurnFeatures",
-}
-_PREDICTOR_CHECKS = {
-    "check_requires_y_none": _ARRAY_INPUT,
-}
-_TRANSFORMER_CHECKS = {
-    "check_transformer_data_not_an_array": _ARRAY_INPUT,
-    "check_transformer_general": _ARRAY_INPUT,
-    "check_transformer_preserve_dtypes": (
-        _ARRAY_INPUT + "; PerTurn returns TurnFeatures, whose dtype is the wrapped "
-        "transformer's"
-    ),
-}
-
-
-def expected_failed_checks(estimator):
-    """Checks that cannot apply to ragged per-conversation input, with reasons."""
-    failed = {name: _ARRAY_INPUT for name in _ARRAY_CHECKS}
-    failed.update(_SPECIAL)
-    failed.update(_TRANSFORMER_CHECKS if isinstance(estimator, PerTurn) else _PREDICTOR_CHECKS)
-    return failed
-
-
-@parametrize_with_checks(
-    [
-        GroupedArgmaxClassifier(),
-        GroupedArgmaxLogisticClassifier(),
-        PerTurn(StandardScaler()),
-        SiteSelector(GroupedArgmaxLogisticClassifier()),
-        GroupedSoftmaxClassifier(),
-        SiteEnsemble(GroupedSoftmaxClassifier()),
-        TurnScoreStacker([("probe", GroupedSoftmaxClassifier())]),
-    ],
-    expected_failed_checks=expected_failed_checks,
-    xfail_strict=True,
-)
-def test_sklearn_compatible_estimator(estimator, check):
-    # pytest's rendering of the expected failures' tracebacks through sklearn's
-    # 5000-line estimator_checks.py costs ~20 s of CPU; render them with the
-    # standard library instead (same information, a fraction of the time).
-    try:
-        check(estimator)
-    except unittest.SkipTest:
-        raise
-    except Exception as exc:
-        details = "".join(traceback.format_exception(exc, limit=-4))
-        raise AssertionError(f"{check} failed:\n{details}") from None
+# scikit-learn's API checks and skafa's ragged-input checks run over every public
+# estimator, discovered automatically, in tests/test_estimator_checks.py.
 
 
 # ------------------------------------------------------------- end to end

@@ -91,10 +91,13 @@ def test_conversation_basics():
 
 
 def test_conversation_normalises_fields():
-    conv = _conv(task=None, expected_answer=1.5, task_id=7, mistake_step=np.int64(1))
+    conv = _conv(task=None, expected_answer=1.5, task_id=np.int64(7), mistake_step=np.int64(1))
     assert conv.task == ""
     assert conv.expected_answer == "1.5"
-    assert conv.task_id == "7"
+    assert conv.task_id == 7 and type(conv.task_id) is int  # ids keep their type
+    assert _conv(task_id="7").task_id == "7"
+    with pytest.raises(ConversationError, match="task_id must be a str, an int or None"):
+        _conv(task_id=7.0)
     assert conv.mistake_step == 1 and type(conv.mistake_step) is int
     assert _conv(expected_answer=None).expected_answer == ""
     assert _conv(expected_answer=42).expected_answer == "42"
@@ -304,7 +307,7 @@ def test_from_messages_speakers_and_fields():
                                       metadata={"source": "test"})
     assert conv.speakers == ("user", "planner", "assistant")
     assert [t.role for t in conv] == ["user", "assistant", "assistant"]
-    assert conv.task_id == "3" and conv.mistake_step == 1 and conv.record_id == "m/1"
+    assert conv.task_id == 3 and conv.mistake_step == 1 and conv.record_id == "m/1"
     assert conv.metadata["source"] == "test"
 
 

@@ -149,7 +149,7 @@ def test_batch_of_three_equals_one_at_a_time(family, attn, registered):
     one = TurnActivationTransformer(name, memory_cache=False).fit_transform(convs)
     t3 = TurnActivationTransformer(name, memory_cache=False, batch_size=3).fit(convs)
     three = t3.transform(convs)
-    assert t3.n_forward_passes_ == 3
+    assert t3.run_stats["n_forward_passes"] == 3
     np.testing.assert_allclose(three.values, one.values, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(three.offsets, one.offsets)
 
@@ -233,7 +233,7 @@ def test_prompt_longer_than_context_is_refused(registered):
     assert t.context_length_ == 64
     with pytest.raises(ValueError, match=r"conversation 0 .*task-0.* \d+ prompt tokens.*64"):
         t.transform(convs)
-    assert t.n_forward_passes_ == 0  # refused before any compute
+    assert t.run_stats["n_forward_passes"] == 0  # refused before any compute
 
 
 @pytest.mark.parametrize("bad, site", [(float("nan"), "resid_pre.1"),
@@ -305,20 +305,20 @@ def test_memory_cache_second_transform_runs_no_forward(registered):
     convs = make_conversations(4, seed=11)
     t = TurnActivationTransformer(name).fit(convs)
     first = t.transform(convs)
-    assert t.n_forward_passes_ == 4
+    assert t.run_stats["n_forward_passes"] == 4
     second = t.transform(convs)
-    assert t.n_forward_passes_ == 4 and t.cache_stats_["memory_hits"] == 4
+    assert t.run_stats["n_forward_passes"] == 4 and t.run_stats["memory_hits"] == 4
     assert np.array_equal(first.values, second.values)
     # A clone (what a grid search makes) shares the process-wide memory cache.
     c = clone(t).fit(convs)
     assert np.array_equal(c.transform(convs[1:3]).values, first[[1, 2]].values)
-    assert c.n_forward_passes_ == 0
+    assert c.run_stats["n_forward_passes"] == 0
     # Labels and metadata are not part of the key.
     relabelled = [Conversation(c_.turns, task=c_.task, expected_answer=c_.expected_answer,
                                task_id="other", mistake_step=0, record_id="x")
                   for c_ in convs]
     c.transform(relabelled)
-    assert c.n_forward_passes_ == 0
+    assert c.run_stats["n_forward_passes"] == 0
     # Returned arrays are the caller's: mutating them does not poison the cache.
     second.values[:] = 0
     assert np.array_equal(t.transform(convs).values, first.values)
@@ -329,18 +329,18 @@ def test_disk_cache_reused_by_fresh_transformer(tmp_path, registered):
     convs = make_conversations(3, seed=13)
     t = TurnActivationTransformer(name, cache_dir=tmp_path, memory_cache=False).fit(convs)
     first = t.transform(convs)
-    assert t.n_forward_passes_ == 3
+    assert t.run_stats["n_forward_passes"] == 3
     files = glob.glob(str(tmp_path / "*" / "*.safetensors"))
     assert len(files) == 3
     fresh = TurnActivationTransformer(name, cache_dir=tmp_path, memory_cache=False).fit(convs)
     again = fresh.transform(convs)
-    assert fresh.n_forward_passes_ == 0 and fresh.cache_stats_["disk_hits"] == 3
+    assert fresh.run_stats["n_forward_passes"] == 0 and fresh.run_stats["disk_hits"] == 3
     assert np.array_equal(first.values, again.values)
     # Sites are a subset of the cached entry: sliced, no forward pass.
     sub = TurnActivationTransformer(name, sites=["resid_final", "mlp_in.0"], cache_dir=tmp_path,
                                     memory_cache=False).fit(convs)
     got = sub.transform(convs)
-    assert sub.n_forward_passes_ == 0
+    assert sub.run_stats["n_forward_passes"] == 0
     assert np.array_equal(got.values, first.select_sites(["resid_final", "mlp_in.0"]).values)
 
 
@@ -353,11 +353,11 @@ def test_missing_site_recomputed_then_merged(tmp_path, registered):
     b = TurnActivationTransformer(name, sites=["resid_pre.0", "resid_final"],
                                   cache_dir=tmp_path, memory_cache=False).fit(convs)
     b.transform(convs)
-    assert b.n_forward_passes_ == 2  # resid_final was not cached
+    assert b.run_stats["n_forward_passes"] == 2  # resid_final was not cached
     c = TurnActivationTransformer(name, sites=["resid_final", "resid_pre.0"],
                                   cache_dir=tmp_path, memory_cache=False).fit(convs)
     c.transform(convs)
-    assert c.n_forward_passes_ == 0
+    assert c.run_stats["n_forward_passes"] == 0
 
 
 def test_corrupted_disk_entry_is_recomputed_with_warning(tmp_path, registered):
@@ -371,7 +371,7 @@ def test_corrupted_disk_entry_is_recomputed_with_warning(tmp_path, registered):
     fresh = TurnActivationTransformer(name, cache_dir=tmp_path, memory_cache=False).fit(convs)
     with pytest.warns(CacheCorruptionWarning, match="corrupt"):
         again = fresh.transform(convs)
-    assert fresh.n_forward_passes_ == 1 and fresh.cache_stats_["corrupt"] == 1
+    assert fresh.run_stats["n_forward_passes"] == 1 and fresh.run_stats["corrupt"] == 1
     assert np.array_equal(first.values, again.values)
     with warnings.catch_warnings():
         warnings.simplefilter("error", CacheCorruptionWarning)
@@ -386,11 +386,11 @@ def test_different_model_or_prompt_does_not_share_entries(tmp_path, registered):
     TurnActivationTransformer(n1, cache_dir=tmp_path).fit(convs).transform(convs)
     t2 = TurnActivationTransformer(n2, cache_dir=tmp_path).fit(convs)
     t2.transform(convs)
-    assert t2.n_forward_passes_ == 2
+    assert t2.run_stats["n_forward_passes"] == 2
     t3 = TurnActivationTransformer(n1, cache_dir=tmp_path,
                                    prompt=PromptTemplate(instruction=None)).fit(convs)
     t3.transform(convs)
-    assert t3.n_forward_passes_ == 2
+    assert t3.run_stats["n_forward_passes"] == 2
     # Same weights with another tokenizer / chat template: another key.
     tok = make_tiny_tokenizer(date_in_template=True)
     from skafa.models import load_model
@@ -399,7 +399,7 @@ def test_different_model_or_prompt_does_not_share_entries(tmp_path, registered):
     t4 = TurnActivationTransformer(n4, cache_dir=tmp_path,
                                    chat_template_kwargs={"date_string": "01 Jan 2024"}).fit(convs)
     t4.transform(convs)
-    assert t4.n_forward_passes_ == 2
+    assert t4.run_stats["n_forward_passes"] == 2
 
 
 class _FakeDatetime(_dt.datetime):
@@ -431,14 +431,14 @@ def test_pinned_date_gives_identical_activations(monkeypatch, registered):
     a, _ = run(d1, pinned)
     b, tb = run(d2, pinned)
     assert np.array_equal(a.values, b.values)
-    assert tb.n_forward_passes_ == 0  # same key: served from the cache
+    assert tb.run_stats["n_forward_passes"] == 0  # same key: served from the cache
     shared_memory_cache().clear()
     b2, tb2 = run(d2, pinned)
-    assert tb2.n_forward_passes_ == 2 and np.array_equal(a.values, b2.values)
+    assert tb2.run_stats["n_forward_passes"] == 2 and np.array_equal(a.values, b2.values)
     # Unpinned: the rendered date differs, and so do the activations and the keys.
     u1, _ = run(d1, None)
     u2, tu2 = run(d2, None)
-    assert tu2.n_forward_passes_ == 2
+    assert tu2.run_stats["n_forward_passes"] == 2
     assert not np.allclose(u1.values, u2.values)
 
 
@@ -507,7 +507,7 @@ def test_smollm2_three_algorithm_generated_records(who_and_when_dir):
     convs = sorted(convs, key=n_chars)[:3]
     t = TurnActivationTransformer("smollm2").fit(convs)
     X = t.transform(convs)
-    assert t.n_forward_passes_ == 3
+    assert t.run_stats["n_forward_passes"] == 3
     assert X.values.shape == (sum(len(c) for c in convs), 61, 576)
     assert np.isfinite(X.values).all()
     model = t._model
@@ -538,5 +538,5 @@ def test_smollm2_three_algorithm_generated_records(who_and_when_dir):
             rel = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
             assert rel.max() < 1e-3, (conv.record_id, site, rel.max())
     again = t.transform(convs)
-    assert t.n_forward_passes_ == 3  # second pass served from the memory cache
+    assert t.run_stats["n_forward_passes"] == 3  # second pass served from the memory cache
     assert np.array_equal(again.values, X.values)

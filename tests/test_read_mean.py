@@ -114,7 +114,7 @@ def test_bad_starts_and_read_are_refused():
     with pytest.raises(ValueError, match="sequence 0: starts"):
         extract_activations(model, ids, [np.array([3, 5])], ["resid_final"],
                             starts=[np.array([1])])
-    with pytest.raises(ValueError, match="read must be one of"):
+    with pytest.raises(ValueError, match="'read' parameter.*among"):
         TurnActivationTransformer("x", read="first").fit(make_conversations(1))
 
 
@@ -126,11 +126,11 @@ def test_read_is_part_of_the_cache_key(tiny, tmp_path):
     a = last.transform(convs)
     mean = TurnActivationTransformer(name, read="mean", cache_dir=tmp_path).fit(convs)
     b = mean.transform(convs)
-    assert mean.n_forward_passes_ == 2  # no reuse of the "last" entries
+    assert mean.run_stats["n_forward_passes"] == 2  # no reuse of the "last" entries
     assert not np.allclose(a.values, b.values)
     again = clone(mean).fit(convs)
     np.testing.assert_array_equal(again.transform(convs).values, b.values)
-    assert again.n_forward_passes_ == 0
+    assert again.run_stats["n_forward_passes"] == 0
     # "last" keeps the key it had before the option existed.
     from skafa.cache import activation_key
     base = dict(model_identity="m", model_fingerprint={}, dtype="float32",

@@ -15,6 +15,7 @@ from sklearn.model_selection._split import _UnsupportedGroupCVMixin
 from sklearn.pipeline import _final_estimator_has, _name_estimators
 from sklearn.utils import _safe_indexing
 from sklearn.utils._param_validation import HasMethods, Interval, Options, StrOptions
+from sklearn.utils.estimator_checks import _yield_api_checks
 from sklearn.utils.metadata_routing import _routing_enabled
 from sklearn.utils.metaestimators import _BaseComposition
 from sklearn.utils.validation import _check_sample_weight
@@ -37,5 +38,6 @@ __all__ = [
     "_routing_enabled",
     "_BaseComposition",
     "_check_sample_weight",
+    "_yield_api_checks",
     "_VisualBlock",
 ]

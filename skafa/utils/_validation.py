@@ -29,6 +29,8 @@ __all__ = [
     "locate_row",
     "check_int",
     "task_ids_of",
+    "group_labels",
+    "check_task_id",
     "labels_from_conversations",
 ]
 
@@ -141,6 +143,69 @@ def task_ids_of(convs):
     """Task ids of conversations, or None when none has one."""
     ids = [c.task_id for c in convs]
     return ids if any(t is not None for t in ids) else None
+
+
+def check_task_id(task_id, where="task_id"):
+    """Return a task id as ``None``, a ``str`` or an ``int``, keeping its type.
+
+    Task ids group runs of one task; ``1`` and ``"1"`` are different tasks, so
+    neither is converted to the other (NumPy integers become ``int``).
+
+    Parameters
+    ----------
+    task_id : object
+    where : str, default="task_id"
+        Names the value in the error message.
+
+    Returns
+    -------
+    None, str or int
+
+    Raises
+    ------
+    TypeError
+        For any other type (bool, float, ...).
+    """
+    if task_id is None or isinstance(task_id, str):
+        return task_id
+    if isinstance(task_id, numbers.Integral) and not isinstance(task_id, (bool, np.bool_)):
+        return int(task_id)
+    raise TypeError(
+        f"{where} must be a str, an int or None, got {type(task_id).__name__} "
+        f"{task_id!r}."
+    )
+
+
+def group_labels(ids):
+    """Task ids as ``groups`` for a splitter, keeping ``1`` and ``"1"`` apart.
+
+    Ids of one type (all ``str`` or all ``int``) are returned as they are.
+    Splitters such as :class:`~sklearn.model_selection.GroupKFold` sort their
+    groups, which fails on a mix of ints and strings, so a mix is returned as
+    integer codes instead: one per distinct id, in order of first appearance,
+    ``1`` and ``"1"`` getting two.
+
+    Parameters
+    ----------
+    ids : sequence of str or int
+
+    Returns
+    -------
+    groups : ndarray of object (one type) or of int64 (a mix), shape (len(ids),)
+
+    Examples
+    --------
+    >>> group_labels(["b", "a", "b"]).tolist()
+    ['b', 'a', 'b']
+    >>> group_labels(["b", 1, "1", "b"]).tolist()
+    [0, 1, 2, 0]
+    """
+    ids = list(ids)
+    if len({isinstance(t, str) for t in ids}) <= 1:
+        return np.asarray(ids, dtype=object)
+    seen = {}
+    return np.asarray([seen.setdefault((isinstance(t, str), t), len(seen)) for t in ids],
+                      dtype=np.int64)
 
 
 def check_turn_features(X, estimator):
