@@ -41,6 +41,7 @@ from .metrics import (
     step_accuracy,
     within_k_accuracy,
 )
+from .persistence import PersistenceMixin
 from .probes import GroupedArgmaxLogisticClassifier
 from .selection import SiteSelector
 from .utils._validation import check_conversations, labels_from_conversations
@@ -277,7 +278,7 @@ def _true_agents(convs, y, defaulted):
 # ---------------------------------------------------------------------------
 
 
-class FailureAttributor(BaseEstimator):
+class FailureAttributor(PersistenceMixin, BaseEstimator):
     """Find the decisive step and agent of failed multi-agent runs, in one object.
 
     Reads a language model's hidden states at the last token of every turn, or
@@ -371,6 +372,10 @@ class FailureAttributor(BaseEstimator):
     >>> fa.evaluate(test_conversations)                            # doctest: +SKIP
     >>> fa.attribute(test_conversations[0])                        # doctest: +SKIP
     """
+
+    # skafa.persistence: load(model=, device=) replace those parameters (the fitted
+    # pipeline_'s steps declare their own).
+    _load_overrides = frozenset({"model", "device"})
 
     def __init__(
         self,

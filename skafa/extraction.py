@@ -31,6 +31,7 @@ from sklearn.utils.validation import check_is_fitted
 from .cache import ActivationCache, activation_key
 from .conversation import Conversation
 from .features import TurnFeatures
+from .persistence import PersistenceMixin
 from .sites import decoder_layout, parse_site, site_depth, validate_sites
 
 __all__ = ["TurnActivationTransformer", "extract_activations", "SiteReader"]
@@ -330,7 +331,7 @@ def _where(index, conversation):
     return f"conversation {index} (task id {conversation.task_id!r}{rid})"
 
 
-class TurnActivationTransformer(TransformerMixin, BaseEstimator):
+class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimator):
     """Turn conversations into per-turn hidden states of a language model.
 
     For every conversation: render the prompt, run one forward pass of the base
@@ -411,6 +412,22 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
     >>> X.values.shape  # doctest: +SKIP
     (n_turns_total, 1, 576)
     """
+
+    # skafa.persistence: never saved (rebuilt lazily or below); load(model=, device=)
+    # replace those parameters; summarised in skafa.json and checked on load.
+    _runtime_attributes = frozenset({"_model", "_tokenizer", "_layout", "_cache",
+                                     "_prompt_fingerprint"})
+    _load_overrides = frozenset({"model", "device"})
+    _reads_model = True
+
+    def _restore_after_load(self, context):
+        """Recompute the prompt fingerprint and check the model (see skafa.persistence)."""
+        if hasattr(self, "prompt_"):
+            self._prompt_fingerprint = self.prompt_.fingerprint()
+        if hasattr(self, "model_fingerprint_"):
+            checked = context.check_model(self)
+            if checked is not None and checked[2]:  # another model: its tokenizer keys the cache
+                self.tokenizer_fingerprint_ = _tokenizer_fingerprint(checked[1])
 
     def __init__(self, model="smollm2", *, sites=None, read="last", prompt=None,
                  chat_template_kwargs=None, device="cpu", dtype="float32", cache_dir=None,

@@ -36,6 +36,7 @@ from sklearn.base import BaseEstimator
 from sklearn.utils import Bunch
 from sklearn.utils.validation import check_is_fitted
 
+from .persistence import PersistenceMixin
 from .utils._validation import (
     check_conversations,
     check_steps,
@@ -351,7 +352,7 @@ def parse_step(text, n_steps):
 
 
 # ----------------------------------------------------------------------------- estimator
-class PromptedJudge(BaseEstimator):
+class PromptedJudge(PersistenceMixin, BaseEstimator):
     """Zero-shot LLM judge of the decisive step, on the probes' model and prompt.
 
     The judge renders each conversation with the same
@@ -459,6 +460,16 @@ class PromptedJudge(BaseEstimator):
     >>> judge.fit(conversations).predict(conversations)        # doctest: +SKIP
     array([3, 0, 5, ...])
     """
+
+    # skafa.persistence: load(model=, device=) replace those parameters; the judge is
+    # summarised in skafa.json and its model checked on load.
+    _load_overrides = frozenset({"model", "device"})
+    _reads_model = True
+
+    def _restore_after_load(self, context):
+        """Check the model this judge will use (see skafa.persistence)."""
+        if hasattr(self, "model_fingerprint_"):
+            context.check_model(self)
 
     def __init__(
         self,

@@ -30,6 +30,7 @@ from sklearn.utils.parallel import Parallel, delayed
 from sklearn.utils.validation import check_is_fitted
 
 from .metrics import SCORERS
+from .persistence import PersistenceMixin
 from .utils._sklearn_compat import (
     HasMethods,
     StrOptions,
@@ -164,7 +165,7 @@ def _estimator_has(attr):
     return check
 
 
-class SiteSelector(MetaEstimatorMixin, BaseEstimator):
+class SiteSelector(PersistenceMixin, MetaEstimatorMixin, BaseEstimator):
     """Choose the activation site by grouped cross-validation, then refit there.
 
     For every site (default: all sites of ``X``) a clone of ``estimator`` is
@@ -287,6 +288,14 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
         "verbose": ["verbose"],
         "error_score": [StrOptions({"raise"}), Real],
     }
+
+    # skafa.persistence: the scorer is a function, never saved; rebuilt from `scoring`.
+    _runtime_attributes = frozenset({"scorer_"})
+
+    def _restore_after_load(self, context):
+        """Rebuild :attr:`scorer_` from ``scoring`` (see skafa.persistence)."""
+        if hasattr(self, "cv_results_"):
+            self.scorer_ = _get_scorer(self.estimator, self.scoring)
 
     def __init__(
         self,
