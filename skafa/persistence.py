@@ -112,24 +112,24 @@ it comes from and evaluate it before trusting its outputs.
 
 Why not skops
 -------------
-``skops.io`` (0.16) is the scikit-learn community's pickle-free format. Measured
-against the three points above (``python /tmp/skops_experiment.py``-style
-script in ``docs/user-guide.md``):
+``skops.io`` (0.16.0) is the scikit-learn community's pickle-free format.
+Measured against the three points above (the experiment and its numbers are in
+the saving section of ``docs/user-guide.md``):
 
-- it cannot load ``Pipeline([PerTurn(TruncatedSVD()), probe])`` without the
-  caller trusting skafa's classes (``skops.io.get_untrusted_types`` reports
-  ``skafa.composition.PerTurn`` and
+- it cannot load ``Pipeline([PerTurn(TruncatedSVD()), probe])`` unless the
+  caller trusts skafa's classes by name (``skops.io.get_untrusted_types``
+  reports ``skafa.composition.PerTurn`` and
   ``skafa.probes.GroupedArgmaxLogisticClassifier``; the default load raises
-  ``UntrustedTypesFoundException``); once a type is trusted, skops restores
-  any attributes the file gives it, including runtime-only ones;
-- a 13-byte edit of a ``.npy`` header inside the zip (``<U1`` to
-  ``<U200000000``) makes it allocate 763 MiB before failing;
-- it has no digest: an edited coefficient loads silently; and 100,000-deep
+  ``UntrustedTypesFoundException``); a trusted type then receives whatever
+  attributes the file holds, runtime-only ones included;
+- widening one string array's ``.npy`` header from ``<U1`` to ``<U200000000``
+  makes it allocate 763 MiB before failing;
+- it keeps no digest (an edited coefficient loads silently), and 100,000-deep
   nesting in its ``schema.json`` raises ``RecursionError``.
 
-skafa keeps its own format: the same security bar with no extra dependency,
-allowlisting by location instead of by trusting type names, and a summary of
-the language model each step reads.
+skafa therefore keeps its own format: it meets the bar with no extra
+dependency, allows skafa's classes by where they are defined instead of by
+trusted type names, and records the language model each step reads.
 
 scikit-learn users may also persist these estimators with :mod:`joblib` or
 :mod:`pickle` (skafa estimators pickle without their language-model weights).
