@@ -289,6 +289,10 @@ class PersistenceMixin:
         """
 
 
+_DECLARATIONS = frozenset({"_runtime_attributes", "_load_overrides", "_reads_model",
+                           "_restore_after_load"})
+
+
 def _declared(cls, name):
     """A persistence declaration of ``cls`` (code, never the file), or its default."""
     return getattr(cls, name, getattr(PersistenceMixin, name))
@@ -311,9 +315,9 @@ def _restore_hooks(est):
     hooks = []
     if isinstance(est, Pipeline):  # also covers skafa's AttributionPipeline
         hooks.append(lambda context: _restore_pipeline(est, context))
-    method = getattr(est, "_restore_after_load", None)
+    method = getattr(type(est), "_restore_after_load", None)  # the class's, never the file's
     if method is not None:
-        hooks.append(method)
+        hooks.append(lambda context: method(est, context))
     return hooks
 
 
@@ -1065,7 +1069,7 @@ class _Reader:
         runtime = _declared(cls, "_runtime_attributes")
         for key, raw in node["state"].items():
             if (not key.isidentifier() or key.startswith("__") or key in runtime
-                    or hasattr(type(est), key) or key in params):
+                    or key in _DECLARATIONS or hasattr(type(est), key) or key in params):
                 raise self.fail(path, f"refusing to set attribute {_short(key)} on {name}")
             value = self.decode(raw, _join(path, key))
             if callable(value) and not isinstance(value, type) \

@@ -991,3 +991,14 @@ def test_save_refuses_what_load_would_refuse(tmp_path, monkeypatch):
     wide = sp.csr_matrix(([1.0, 1.0], ([0, 1], [0, 10**6])), shape=(2, 10**6 + 1)).todia()
     with pytest.raises(ValueError, match="would allocate"):
         save(_SparseHolder(wide).fit(), tmp_path / "dia")
+
+
+def test_state_cannot_set_persistence_declarations(features, tmp_path):
+    pipe = Pipeline([("probe", GroupedArgmaxLogisticClassifier(site="s1"))]).fit(*features[:2])
+    path = save(pipe, tmp_path / "p")
+    for key, value in (("_restore_after_load", {"__pytype__": "int"}),
+                       ("_runtime_attributes", [])):
+        rewrite(path, lambda doc: doc["tree"]["state"].update({key: value}))
+        with pytest.raises(ValueError, match=f"refusing to set attribute '{key}'"):
+            load(path)
+        rewrite(path, lambda doc: doc["tree"]["state"].pop(key))
