@@ -41,6 +41,7 @@ from .metrics import (
     step_accuracy,
     within_k_accuracy,
 )
+from .persistence import PersistenceMixin
 from .probes import GroupedArgmaxLogisticClassifier
 from .selection import SiteSelector
 from .utils._sklearn_compat import _fit_context
@@ -286,7 +287,7 @@ def _true_agents(convs, y, defaulted):
 # ---------------------------------------------------------------------------
 
 
-class FailureAttributor(BaseEstimator):
+class FailureAttributor(PersistenceMixin, BaseEstimator):
     """Find the decisive step and agent of failed multi-agent runs, in one object.
 
     Reads a language model's hidden states at the last token of every turn,
@@ -394,6 +395,10 @@ class FailureAttributor(BaseEstimator):
            for name in ("C", "random_state")},
         "cv": SiteSelector._parameter_constraints["cv"],
     }
+
+    # skafa.persistence: load(model=, device=) replace those parameters (the fitted
+    # pipeline_'s steps declare their own).
+    _load_overrides = frozenset({"model", "device"})
 
     def __init__(
         self,

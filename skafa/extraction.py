@@ -33,6 +33,7 @@ from .cache import ActivationCache, activation_key
 from .conversation import Conversation
 from .features import TurnFeatures
 from .models import ModelHandle
+from .persistence import PersistenceMixin
 from .prompt import READS as _READ
 from .prompt import PromptTemplate
 from .sites import decoder_layout, parse_site, site_depth, validate_sites
@@ -332,7 +333,7 @@ def _where(index, conversation):
     return f"conversation {index} (task id {conversation.task_id!r}{rid})"
 
 
-class TurnActivationTransformer(TransformerMixin, BaseEstimator):
+class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimator):
     """Turn conversations into per-turn hidden states of a language model.
 
     For every conversation: render the prompt, run one forward pass of the base
@@ -443,6 +444,20 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
         "verbose": ["verbose"],
     }
 
+    # skafa.persistence: never saved (rebuilt lazily or below); load(model=, device=)
+    # replace those parameters; summarised in skafa.json and checked on load.
+    _runtime_attributes = frozenset({"_model", "_tokenizer", "_layout", "_cache",
+                                     "_run_stats"})
+    _load_overrides = frozenset({"model", "device"})
+    _reads_model = True
+
+    def _restore_after_load(self, context):
+        """Check the model this extractor will use (see skafa.persistence)."""
+        if hasattr(self, "model_fingerprint_"):
+            checked = context.check_model(self)
+            if checked is not None and checked[2]:  # another model: its tokenizer keys the cache
+                self.tokenizer_fingerprint_ = _tokenizer_fingerprint(checked[1])
+
     def __init__(self, model="smollm2", *, sites=None, read="last", prompt=None,
                  chat_template_kwargs=None, device="cpu", dtype="float32", cache_dir=None,
                  memory_cache=True, batch_size=1, verbose=0):
@@ -478,7 +493,7 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
 
     def __getstate__(self):
         state = dict(super().__getstate__())  # a copy: never strip the live object
-        for name in ("_model", "_tokenizer", "_layout", "_cache", "_run_stats"):
+        for name in self._runtime_attributes:
             state.pop(name, None)
         return state
 
@@ -565,7 +580,6 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
         self.model_identity_ = model_identity(self.model)
         self.context_length_ = int(context_length(model))
         self.prompt_ = self.prompt if self.prompt is not None else PromptTemplate()
-        self._prompt_fingerprint = self.prompt_.fingerprint()
         self.rendering_ = self.prompt_.rendering(self._tokenizer)
         self.tokenizer_fingerprint_ = _tokenizer_fingerprint(self._tokenizer)
         self._cache = ActivationCache(self.cache_dir, memory=bool(self.memory_cache))
@@ -598,7 +612,7 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
             model_fingerprint=self.model_fingerprint_,
             dtype=self.dtype,
             # The prompt of this read and rendering; for read="last"/"mean" through a
-            # chat template this is self._prompt_fingerprint (keys written before
+            # chat template this is prompt_.fingerprint() (keys written before
             # "recap", "echo" and plain rendering existed stay valid).
             prompt_fingerprint=self.prompt_.fingerprint(
                 read=self.read, rendering=self.prompt_.rendering(self._tokenizer)),

@@ -37,6 +37,7 @@ from sklearn.utils import Bunch
 from sklearn.utils.validation import check_is_fitted
 
 from .models import ModelHandle
+from .persistence import PersistenceMixin
 from .prompt import PromptTemplate
 from .utils._sklearn_compat import Interval, StrOptions, _fit_context
 from .utils._validation import (
@@ -354,7 +355,7 @@ def parse_step(text, n_steps):
 
 
 # ----------------------------------------------------------------------------- estimator
-class PromptedJudge(BaseEstimator):
+class PromptedJudge(PersistenceMixin, BaseEstimator):
     """Zero-shot LLM judge of the decisive step, on the probes' model and prompt.
 
     The judge renders each conversation with the same
@@ -475,6 +476,16 @@ class PromptedJudge(BaseEstimator):
         "batch_size": [Interval(numbers.Integral, 1, None, closed="left")],
         "verbose": ["verbose"],
     }
+
+    # skafa.persistence: load(model=, device=) replace those parameters; the judge is
+    # summarised in skafa.json and its model checked on load.
+    _load_overrides = frozenset({"model", "device"})
+    _reads_model = True
+
+    def _restore_after_load(self, context):
+        """Check the model this judge will use (see skafa.persistence)."""
+        if hasattr(self, "model_fingerprint_"):
+            context.check_model(self)
 
     def __init__(
         self,

@@ -34,6 +34,7 @@ from sklearn.utils.validation import check_is_fitted
 
 from .composition import final_step_call
 from .metrics import SCORERS, step_accuracy
+from .persistence import PersistenceMixin
 from .utils._grouped import grouped_argmax, grouped_center, grouped_softmax
 from .utils._sklearn_compat import (
     HasMethods,
@@ -210,7 +211,7 @@ def _estimator_has(attr):
     return check
 
 
-class SiteSelector(MetaEstimatorMixin, BaseEstimator):
+class SiteSelector(PersistenceMixin, MetaEstimatorMixin, BaseEstimator):
     """Choose the activation site by grouped cross-validation, then refit there.
 
     For every site (default: all sites of ``X``) a clone of ``estimator`` is
@@ -356,6 +357,14 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
         "error_score": [StrOptions({"raise"}), Real],
         "n_sites": [Interval(Integral, 1, None, closed="left")],
     }
+
+    # skafa.persistence: the scorer is a function, never saved; rebuilt from `scoring`.
+    _runtime_attributes = frozenset({"scorer_"})
+
+    def _restore_after_load(self, context):
+        """Rebuild :attr:`scorer_` from ``scoring`` (see skafa.persistence)."""
+        if hasattr(self, "cv_results_"):
+            self.scorer_ = _get_scorer(self.estimator, self.scoring)
 
     def __init__(
         self,
@@ -772,6 +781,14 @@ class SiteEnsemble(MetaEstimatorMixin, BaseEstimator):
         self.estimator = estimator
         self.sites = sites
         self.n_jobs = n_jobs
+
+    @classmethod
+    def _check_instances(cls):
+        """Instances for :mod:`skafa.utils.estimator_checks`."""
+        from .probes import GroupedArgmaxLogisticClassifier, GroupedSoftmaxClassifier
+
+        return [cls(GroupedArgmaxLogisticClassifier()),
+                cls(GroupedSoftmaxClassifier(), sites=["features"])]
 
     @_fit_context(
         # SiteEnsemble.estimator is validated when it is fitted

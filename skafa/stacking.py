@@ -222,6 +222,21 @@ class TurnScoreStacker(MetaEstimatorMixin, _BaseComposition):
         self.n_jobs = n_jobs
         self.verbose = verbose
 
+    @classmethod
+    def _check_instances(cls):
+        """Instances for :mod:`skafa.utils.estimator_checks` (on conversations)."""
+        from sklearn.model_selection import GroupKFold
+
+        from .composition import make_attribution_pipeline
+        from .featurizers import TurnPositionTransformer, TurnTextTransformer
+        from .probes import GroupedArgmaxLogisticClassifier
+
+        return [cls([("pos", make_attribution_pipeline(TurnPositionTransformer(),
+                                                       GroupedArgmaxLogisticClassifier())),
+                     ("text", make_attribution_pipeline(TurnTextTransformer(),
+                                                        GroupedArgmaxLogisticClassifier()))],
+                    cv=GroupKFold(2))]
+
     # ------------------------------------------------------------- parameters
     def get_params(self, deep=True):
         """Get parameters, including those of the named estimators (``name__param``).

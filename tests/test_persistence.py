@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import sys
 import textwrap
 import warnings
@@ -10,16 +11,18 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 from sklearn.base import BaseEstimator
-from sklearn.decomposition import PCA
+from sklearn.decomposition import PCA, TruncatedSVD
 from sklearn.feature_extraction.text import CountVectorizer, TfidfVectorizer
 from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import GroupKFold, KFold
+from sklearn.naive_bayes import GaussianNB
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import StandardScaler
 from sklearn.svm import LinearSVC
 from sklearn.utils import Bunch
 
 from skafa import (
+    AttributionPipeline,
     DummyStepClassifier,
     GroupedArgmaxClassifier,
     GroupedArgmaxLogisticClassifier,
@@ -121,6 +124,12 @@ PROBES = {
     "dummy-constant": lambda: DummyStepClassifier(strategy="constant", constant=1),
     "dummy-relative": lambda: DummyStepClassifier(strategy="most_frequent_relative"),
     "dummy-uniform": lambda: DummyStepClassifier(strategy="uniform", random_state=3),
+    # scikit-learn classes the project's own tests combine with skafa's
+    "perturn-svd-pipeline": lambda: Pipeline([
+        ("svd", PerTurn(TruncatedSVD(n_components=3, random_state=0))),
+        ("probe", GroupedArgmaxLogisticClassifier(site="s1", random_state=0)),
+    ]),
+    "grouped-gaussiannb": lambda: GroupedArgmaxClassifier(GaussianNB(), site="s1"),
 }
 
 
@@ -273,7 +282,6 @@ def test_pipeline_with_activation_transformer_bitwise(fitted_lm_pipeline, conver
     assert_bitwise(loaded.predict(test), pipe.predict(test))
     acts, lacts = pipe[0], loaded[0]
     assert lacts.prompt_ == acts.prompt_ and lacts.prompt == acts.prompt
-    assert lacts._prompt_fingerprint == acts._prompt_fingerprint
     assert lacts.chat_template_kwargs == {"date_string": "1 Jan 2025"}
     assert_bitwise(lacts.transform(test).values, acts.transform(test).values)
     assert_bitwise(loaded[-1].turn_decision_function(lacts.transform(test)),
@@ -646,3 +654,350 @@ def test_prompted_judge_roundtrip(tiny_models, conversations, tmp_path):
     assert doc["models"][0]["class"] == "skafa.judge.PromptedJudge"
     with pytest.raises(ValueError, match="different model architecture"):
         load(path, model=tiny_models["qwen"])
+
+
+# ------------------------------------------------------------------- hostile files
+# A stranger's file is self-consistent: the digests in skafa.json cover accidents, not
+# an attacker, who re-signs what they edit (as `rewrite` and `rewrite_arrays` do).
+def rewrite_arrays(path, edit, edit_doc=None):
+    """Edit arrays.safetensors (a dict of numpy arrays), then re-sign both files.
+
+    The dtype and shape recorded for every array in skafa.json follow the edit, as an
+    attacker would make them; ``edit_doc`` may then change the document further.
+    """
+    from safetensors.numpy import load as st_load
+    from safetensors.numpy import save as st_save
+
+    arrays = dict(st_load((path / ARRAYS_NAME).read_bytes()))
+    edit(arrays)
+    blob = st_save(arrays, metadata={"format": "skafa.estimator/1"})
+    (path / ARRAYS_NAME).write_bytes(blob)
+
+    def sync(node):
+        if isinstance(node, dict):
+            if isinstance(node.get("__ndarray__"), str) and node["__ndarray__"] in arrays:
+                arr = arrays[node["__ndarray__"]]
+                node["dtype"], node["shape"] = arr.dtype.str.lstrip("<>=|"), list(arr.shape)
+            for v in node.values():
+                sync(v)
+        elif isinstance(node, list):
+            for v in node:
+                sync(v)
+
+    def edit_all(doc):
+        doc["arrays"].update(sha256=persistence._sha256(blob), n_bytes=len(blob),
+                             n_arrays=len(arrays))
+        sync(doc["tree"])
+        if edit_doc is not None:
+            edit_doc(doc)
+
+    rewrite(path, edit_all)
+
+
+def file_size(path):
+    return sum(p.stat().st_size for p in path.iterdir())
+
+
+@pytest.fixture()
+def peak_memory():
+    """Peak of traced (Python and numpy) allocations inside the `with` block."""
+    import contextlib
+    import tracemalloc
+
+    @contextlib.contextmanager
+    def measure():
+        box = {}
+        tracemalloc.start()
+        try:
+            yield box
+        finally:
+            box["peak"] = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+
+    return measure
+
+
+def test_wide_string_array_refused_without_allocating(saved_probe, peak_memory):
+    # The 80-byte edit of issue 9: one string, declared 200,000,000 characters wide.
+    path, _, _ = saved_probe
+    rewrite(path, lambda doc: doc["tree"]["state"].update(
+        {"x_": {"__strarray__": ["a"], "dtype": "U200000000", "shape": [1]}}))
+    with peak_memory() as mem:
+        with pytest.raises(ValueError, match=r"U200000000 would allocate 800000000 bytes.*at 'x_'"):
+            load(path)
+    assert mem["peak"] < 50 * file_size(path) + 2**20
+
+
+def test_string_array_shape_must_match_its_entries(saved_probe):
+    path, _, _ = saved_probe
+    rewrite(path, lambda doc: doc["tree"]["state"].update(
+        {"x_": {"__strarray__": ["a", "b"], "dtype": "U1", "shape": [10**9]}}))
+    with pytest.raises(ValueError, match=r"x_"):
+        load(path)
+
+
+def test_array_used_twice_refused(saved_probe):
+    # Each reference would copy the array: N references, N times the file's arrays.
+    path, _, _ = saved_probe
+
+    def edit(doc):
+        node = doc["tree"]["state"]["coef_"]
+        doc["tree"]["state"].update({f"copy{i}_": dict(node) for i in range(3)})
+
+    rewrite(path, edit)
+    with pytest.raises(ValueError, match=r"used more than once.*at 'copy0_'"):
+        load(path)
+
+
+def test_deep_nesting_refused_with_a_clear_error(saved_probe):
+    path, _, _ = saved_probe
+    depth = 100_000
+    doc = json.loads((path / JSON_NAME).read_text())
+    doc["tree"]["state"]["x_"] = "@@DEEP@@"
+    deep = "[" * depth + "]" * depth
+    canonical = persistence._canonical(doc["tree"]).decode().replace('"@@DEEP@@"', deep)
+    doc["tree_sha256"] = persistence._sha256(canonical.encode())
+    (path / JSON_NAME).write_text(json.dumps(doc).replace('"@@DEEP@@"', deep))
+    with pytest.raises(ValueError, match=r"skafa\.json.*nest") as info:
+        load(path)
+    assert str(persistence.MAX_JSON_DEPTH) in str(info.value)
+
+
+def _sparse_probe_file(tmp_path, monkeypatch, matrix):
+    monkeypatch.setitem(persistence._REGISTERED, "tests.SparseHolder", _SparseHolder)
+    return save(_SparseHolder(matrix).fit(), tmp_path / "sparse")
+
+
+class _SparseHolder(BaseEstimator):
+    def __init__(self, matrix=None):
+        self.matrix = matrix
+
+    def fit(self, X=None, y=None):
+        self.m_ = self.matrix.copy()
+        return self
+
+
+SPARSE_EDITS = {
+    "index-out-of-range": lambda a: a["m_.indices"].__setitem__(-1, 1000),
+    "negative-index": lambda a: a["m_.indices"].__setitem__(0, -1),
+    "indptr-decreasing": lambda a: a["m_.indptr"].__setitem__(slice(1, 3),
+                                                              a["m_.indptr"][2:0:-1].copy()),
+    "indptr-not-from-zero": lambda a: a["m_.indptr"].__setitem__(0, 1),
+    "indptr-too-short": lambda a: a.update({"m_.indptr": a["m_.indptr"][:-1]}),
+    "float-indices": lambda a: a.update({"m_.indices": a["m_.indices"] + 0.5}),
+    "float-indptr": lambda a: a.update({"m_.indptr": a["m_.indptr"].astype(np.float64)}),
+    "bool-indices": lambda a: a.update({"m_.indices": a["m_.indices"] > 0}),
+    "2d-indices": lambda a: a.update({"m_.indices": a["m_.indices"][:, None]}),
+    "data-too-short": lambda a: a.update({"m_.data": a["m_.data"][:-1]}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPARSE_EDITS) + ["shape-negative", "shape-3d",
+                                                         "shape-strings"])
+def test_tampered_sparse_parts_refused(tmp_path, monkeypatch, case):
+    m = sp.random(5, 4, density=0.5, format="csr", random_state=0)
+    path = _sparse_probe_file(tmp_path, monkeypatch, m)
+    shapes = {"shape-negative": [-5, 4], "shape-3d": [5, 4, 1], "shape-strings": ["5", "4"]}
+
+    def edit_doc(doc):
+        if case in shapes:
+            doc["tree"]["state"]["m_"]["shape"] = shapes[case]
+
+    rewrite_arrays(path, SPARSE_EDITS.get(case, lambda a: None), edit_doc)
+    with pytest.raises(ValueError, match=r"at 'm_'"):
+        load(path)
+
+
+@pytest.mark.parametrize("fmt", ["dia", "lil"])
+def test_sparse_format_conversion_is_bounded(tmp_path, monkeypatch, fmt, peak_memory):
+    # Three non-zeros on three diagonals of a 3 x 2e6 matrix: 48 MB as dia.
+    # As lil, a csc part with 2e6 rows builds 4e6 Python lists (the row count is free).
+    m = sp.csr_matrix((np.ones(3), np.array([0, 1, 2]), np.array([0, 1, 2, 3])), shape=(3, 3))
+    path = _sparse_probe_file(tmp_path, monkeypatch, m)
+    big = 2 * 10**6
+
+    def edit_arrays(arrays):
+        if fmt == "dia":
+            arrays["m_.indices"] = np.array([0, big // 2, big - 1], dtype=np.int32)
+
+    def edit(doc):
+        node = doc["tree"]["state"]["m_"]
+        node["original_format"] = fmt
+        if fmt == "dia":
+            node["shape"] = [3, big]
+        else:  # csc: indptr has columns + 1 entries; the row count is free
+            node["__sparse__"] = "csc"
+            node["shape"] = [big, 3]
+
+    rewrite_arrays(path, edit_arrays, edit)
+    with peak_memory() as mem:
+        with pytest.raises(ValueError, match=r"format would allocate .* bytes.*at 'm_'"):
+            load(path)
+    assert mem["peak"] < 50 * file_size(path) + 2**20
+
+
+# ------------------------------------------------- classes allowed by where they live
+def test_old_import_paths_still_load(conversations, tmp_path):
+    y = np.array([c.mistake_step for c in conversations])
+    pipe = AttributionPipeline([("pos", TurnPositionTransformer()),
+                                ("probe", GroupedArgmaxLogisticClassifier())])
+    pipe.fit(conversations[:16], y[:16])
+    path = save(pipe, tmp_path / "old")
+
+    def edit(doc):  # the names a file written before the module split holds
+        doc["tree"]["__estimator__"] = "skafa.pipeline.AttributionPipeline"
+        steps = doc["tree"]["params"]["steps"]
+        steps[0]["__tuple__"][1]["__estimator__"] = "skafa.baselines.TurnPositionTransformer"
+        steps[1]["__tuple__"][1]["__estimator__"] = \
+            "skafa.estimators.GroupedArgmaxLogisticClassifier"
+
+    rewrite(path, edit)
+    loaded = load(path)
+    assert type(loaded) is AttributionPipeline
+    assert_bitwise(loaded.predict(conversations[16:]), pipe.predict(conversations[16:]))
+    # and a new save writes each class's home module
+    doc = json.loads((save(loaded, tmp_path / "new") / JSON_NAME).read_text())
+    assert doc["tree"]["__estimator__"] == "skafa.composition.AttributionPipeline"
+
+
+@pytest.mark.parametrize("name", [
+    "skafa.probes.LogisticRegression",   # imported into a skafa module, defined in sklearn
+    "skafa.composition.Pipeline",        # same: scikit-learn's class, not skafa's
+    "skafa.persistence.np",              # a module, not a class
+    "skafa.features.TurnFeatures",       # a skafa class, but not an estimator
+    "skafa.no_such_module.Estimator",
+    "skafa_evil.Estimator",
+    "skafa..probes.X",
+])
+def test_names_outside_skafa_estimators_refused(saved_probe, name):
+    path, _, _ = saved_probe
+    rewrite(path, lambda doc: doc["tree"].update({"__estimator__": name}))
+    with pytest.raises(ValueError, match="refusing to load class"):
+        load(path)
+
+
+def test_runtime_attributes_refused_on_load(features, tmp_path):
+    sel = SiteSelector(GroupedArgmaxLogisticClassifier(), cv=GroupKFold(3)).fit(*features[:2])
+    path = save(sel, tmp_path / "sel")
+    doc = json.loads((path / JSON_NAME).read_text())
+    assert "scorer_" not in doc["tree"]["state"]  # declared runtime-only: never written
+    rewrite(path, lambda doc: doc["tree"]["state"].update({"scorer_": "accuracy"}))
+    with pytest.raises(ValueError, match="refusing to set attribute 'scorer_'"):
+        load(path)
+
+
+NEW_ESTIMATOR_MODULE = '''
+import numpy as np
+from sklearn.base import BaseEstimator
+from skafa.persistence import PersistenceMixin
+
+
+class MeanShiftProbe(PersistenceMixin, BaseEstimator):
+    """A new skafa estimator: nothing outside this module knows about it."""
+
+    _runtime_attributes = frozenset({"_lookup"})
+
+    def _restore_after_load(self, context):
+        self._lookup = {"restored at": context.path}
+
+    def __init__(self, shift=0.0):
+        self.shift = shift
+
+    def fit(self, X, y=None):
+        self.mean_ = np.asarray(X, dtype=float).mean(axis=0) + self.shift
+        self._lookup = {"fitted": True}
+        return self
+
+    def predict(self, X):
+        return np.asarray(X, dtype=float) @ self.mean_
+'''
+
+
+def test_new_skafa_estimator_needs_no_registration(tmp_path, monkeypatch):
+    import types
+
+    name = "skafa._persistence_demo"
+    module = types.ModuleType(name)
+    monkeypatch.setitem(sys.modules, name, module)
+    exec(compile(NEW_ESTIMATOR_MODULE, f"<{name}>", "exec"), module.__dict__)
+    X = np.arange(12.0).reshape(4, 3)
+    est = module.MeanShiftProbe(shift=0.5).fit(X)
+    pipe = Pipeline([("scale", StandardScaler()), ("probe", module.MeanShiftProbe())]).fit(X)
+    path = save(pipe, tmp_path / "new")
+    doc = json.loads((path / JSON_NAME).read_text())
+    step = doc["tree"]["params"]["steps"][1]["__tuple__"][1]
+    assert step["__estimator__"] == f"{name}.MeanShiftProbe"
+    assert "_lookup" not in step["state"]
+    loaded = load(path)
+    assert_bitwise(loaded.predict(X), pipe.predict(X))
+    assert loaded[-1]._lookup == {"restored at": "steps.1.1"}
+    assert_bitwise(roundtrip(est, tmp_path, "alone").predict(X), est.predict(X))
+
+
+def test_allowed_sklearn_classes_include_what_the_tests_combine():
+    names = persistence.allowed_classes()
+    for required in ("sklearn.decomposition.TruncatedSVD", "sklearn.naive_bayes.GaussianNB",
+                     "skafa.composition.PerTurn", "skafa.probes.GroupedArgmaxClassifier"):
+        assert required in names
+
+
+def test_persistence_holds_no_per_class_table():
+    # Each class declares what persistence needs in its own module: persistence.py
+    # names no skafa class in code and imports no private helper of another module.
+    import ast
+    import inspect as _inspect
+
+    source = _inspect.getsource(persistence)
+    tree = ast.parse(source)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant)}
+    named = [node.value for node in ast.walk(tree)
+             if isinstance(node, ast.Constant) and isinstance(node.value, str)
+             and id(node) not in docstrings
+             and re.search(r"\bskafa\.[a-z_]+\.[A-Z]\w+", node.value)]
+    assert named == []
+    private = [f"{node.module}.{alias.name}" for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom) and node.level and node.module
+               and not node.module.startswith("utils")
+               for alias in node.names if alias.name.startswith("_")]
+    assert private == []
+    for table in ("_DEFAULT_CLASSES", "_EXCLUDED_STATE", "_AFTER_LOAD", "_EXTRACTION_CLASSES",
+                  "_MODEL_PARAM_CLASSES"):
+        assert not hasattr(persistence, table)
+
+
+def test_nesting_up_to_the_limit_roundtrips_and_beyond_is_refused_at_save(tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setitem(persistence._REGISTERED, "tests.Custom", _Custom)
+
+    def nested(depth):
+        value = []
+        for _ in range(depth):
+            value = [value]
+        return value
+
+    # document -> tree -> params -> options: 3 levels above the parameter's value
+    ok = _Custom(options=nested(persistence.MAX_JSON_DEPTH - 4))
+    assert roundtrip(ok, tmp_path, "ok").options == ok.options
+    with pytest.raises(ValueError, match="MAX_JSON_DEPTH"):
+        save(_Custom(options=nested(persistence.MAX_JSON_DEPTH)), tmp_path / "deep")
+
+
+def test_save_refuses_what_load_would_refuse(tmp_path, monkeypatch):
+    monkeypatch.setitem(persistence._REGISTERED, "tests.SparseHolder", _SparseHolder)
+    wide = sp.csr_matrix(([1.0, 1.0], ([0, 1], [0, 10**6])), shape=(2, 10**6 + 1)).todia()
+    with pytest.raises(ValueError, match="would allocate"):
+        save(_SparseHolder(wide).fit(), tmp_path / "dia")
+
+
+def test_state_cannot_set_persistence_declarations(features, tmp_path):
+    pipe = Pipeline([("probe", GroupedArgmaxLogisticClassifier(site="s1"))]).fit(*features[:2])
+    path = save(pipe, tmp_path / "p")
+    for key, value in (("_restore_after_load", {"__pytype__": "int"}),
+                       ("_runtime_attributes", [])):
+        rewrite(path, lambda doc: doc["tree"]["state"].update({key: value}))
+        with pytest.raises(ValueError, match=f"refusing to set attribute '{key}'"):
+            load(path)
+        rewrite(path, lambda doc: doc["tree"]["state"].pop(key))
