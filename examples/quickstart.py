@@ -219,9 +219,11 @@ def main(argv=None):
     split = GroupShuffleSplit(n_splits=1, test_size=0.2, random_state=args.seed)
     train, test = next(split.split(convs, y, groups))
     attributor = FailureAttributor(
-        args.model, sites=sites, prompt=template, device=args.device,
-        cache_dir=args.cache_dir or None, batch_size=args.batch_size,
-        random_state=args.seed,
+        TurnActivationTransformer(args.model, sites=sites, prompt=template,
+                                  device=args.device, cache_dir=args.cache_dir or None,
+                                  batch_size=args.batch_size),
+        SiteSelector(GroupedArgmaxLogisticClassifier(random_state=args.seed),
+                     cv=GroupKFold(n_splits=5)),
     )
     attributor.fit([convs[i] for i in train])
     times["fit FailureAttributor"] = time.perf_counter() - t

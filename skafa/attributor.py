@@ -25,7 +25,7 @@ import functools
 from dataclasses import dataclass, field
 
 import numpy as np
-from sklearn.base import BaseEstimator
+from sklearn.base import BaseEstimator, clone
 from sklearn.model_selection import GroupKFold
 from sklearn.utils.validation import check_is_fitted
 
@@ -44,7 +44,7 @@ from .metrics import (
 from .persistence import PersistenceMixin
 from .probes import GroupedArgmaxLogisticClassifier
 from .selection import SiteSelector
-from .utils._sklearn_compat import _fit_context
+from .utils._sklearn_compat import HasMethods, _fit_context
 from .utils._validation import (
     check_conversations,
     group_labels,
@@ -290,77 +290,48 @@ def _true_agents(convs, y, defaulted):
 class FailureAttributor(PersistenceMixin, BaseEstimator):
     """Find the decisive step and agent of failed multi-agent runs, in one object.
 
-    Reads a language model's hidden states at the last token of every turn,
-    averaged over the turn, or at a place after the transcript that has seen the
-    whole run (``read=``; :class:`~skafa.extraction.TurnActivationTransformer`),
-    and fits a
-    standardized logistic-regression probe
-    (:class:`~skafa.probes.GroupedArgmaxLogisticClassifier`) at the
-    activation site chosen by grouped cross-validation on the training data
-    (:class:`~skafa.selection.SiteSelector`). Internally it is exactly::
+    A thin composite of two pieces, each configured through its own parameters
+    (nothing is re-listed here): an ``extractor`` that turns conversations into
+    per-turn features — by default a
+    :class:`~skafa.extraction.TurnActivationTransformer`, which reads a language
+    model's hidden states at every turn — and a ``selector`` fitted on those
+    features — by default a :class:`~skafa.selection.SiteSelector` that picks the
+    activation site by grouped cross-validation on the training data and fits a
+    :class:`~skafa.probes.GroupedArgmaxLogisticClassifier` there. Internally it
+    is exactly::
 
-        AttributionPipeline([
-            ("acts", TurnActivationTransformer(model, sites=sites, read=read,
-                                               prompt=prompt,
-                                               chat_template_kwargs=..., device=...,
-                                               dtype=..., cache_dir=...,
-                                               batch_size=..., verbose=...)),
-            ("select", SiteSelector(GroupedArgmaxLogisticClassifier(
-                                        C=C, random_state=random_state),
-                                    cv=cv or GroupKFold(5))),
-        ])
+        AttributionPipeline([("acts", clone(extractor)), ("select", clone(selector))])
 
-    available, fitted, as :attr:`pipeline_`.
+    fitted, as :attr:`pipeline_`, plus attribution-specific methods
+    (:meth:`attribute`, :meth:`evaluate`, :meth:`report`, :meth:`save`).
+    Nested parameters work as usual: ``extractor__read``, ``selector__estimator__C``.
 
     Parameters
     ----------
-    model : str, default="smollm2"
-        Model name or path (see :func:`skafa.models.load_model`); loaded lazily
-        and cached per process.
-    sites : None, str or list of str, default=None
-        Sites to extract and compare (see :mod:`skafa.sites`); ``None`` means
-        all ``2L + 1``. Fewer sites make the site search faster.
-    read : {"last", "mean", "recap", "echo"}, default="last"
-        Turn vector: the hidden state at the turn's last token, its mean over the
-        turn's line, at the turn's recap line after the transcript (``"recap"``),
-        or at the turn's line in a second copy of the transcript (``"echo"``);
-        the last two have seen the whole run (see
-        :class:`~skafa.extraction.TurnActivationTransformer`).
-    C : float, default=1.0
-        Inverse L2 regularization strength of the probe.
-    cv : int, cross-validation generator or iterable, default=None
-        Splitter of the site search; ``None`` means ``GroupKFold(5)`` over task
-        ids, an int ``n`` means ``GroupKFold(n)``.
-    prompt : PromptTemplate, default=None
-        How a conversation becomes a prompt (``None``: ``PromptTemplate()``).
-        Use ``PromptTemplate(shorten="middle_first", max_prompt_tokens=...)``
-        for conversations longer than the model's context.
-    chat_template_kwargs : dict, default=None
-        Extra chat-template variables (e.g. a pinned ``date_string``).
-    cache_dir : str or path-like, default=None
-        On-disk activation cache shared across processes.
-    device : str, default="cpu"
-        Torch device of the model.
-    dtype : str, default="float32"
-        Compute dtype of the model.
-    batch_size : int, default=1
-        Conversations per forward pass.
-    random_state : int, RandomState instance or None, default=None
-        Passed to the probe's logistic regression.
-    verbose : int, default=0
-        ``> 0``: progress bar during extraction; ``> 1``: also the site search's
-        progress.
+    extractor : str or transformer, default="smollm2"
+        A model name or path (shorthand for ``TurnActivationTransformer(extractor)``),
+        or any transformer mapping a list of :class:`~skafa.Conversation` to
+        :class:`~skafa.TurnFeatures` (a ``TurnActivationTransformer`` with its
+        ``read``, ``sites``, ``prompt``, ``cache_dir``, ``device``... or a
+        :class:`~skafa.TurnFeatureUnion` with position features).
+    selector : estimator, default=None
+        The estimator fitted on the features: anything with ``fit(X, y,
+        groups=)``, ``predict``, ``turn_decision_function`` and
+        ``turn_predict_proba`` on TurnFeatures (a ``SiteSelector``, a probe, a
+        ``SiteEnsemble``). ``None`` means
+        ``SiteSelector(GroupedArgmaxLogisticClassifier(), cv=GroupKFold(5))``.
 
     Attributes
     ----------
     pipeline_ : AttributionPipeline
         The fitted ``acts -> select`` pipeline.
     best_site_ : str
-        Site chosen by cross-validation on the training conversations.
+        Site chosen by cross-validation on the training conversations (when the
+        selector chooses one).
     best_score_ : float
-        Its mean cross-validated step accuracy.
+        Its mean cross-validated step accuracy (idem).
     cv_results_ : dict of ndarray
-        Per-site cross-validation results (see :class:`~skafa.SiteSelector`).
+        Per-site cross-validation results (idem; see :class:`~skafa.SiteSelector`).
     n_conversations_fit_ : int
         Number of training conversations.
 
@@ -379,57 +350,22 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
 
     Examples
     --------
-    >>> from skafa.attributor import FailureAttributor
-    >>> fa = FailureAttributor("smollm2", sites=["resid_pre.9", "resid_final"])  # doctest: +SKIP
+    >>> from skafa import FailureAttributor, TurnActivationTransformer
+    >>> fa = FailureAttributor(TurnActivationTransformer(  # doctest: +SKIP
+    ...     "smollm2", sites=["resid_pre.9", "resid_final"], cache_dir="~/.cache/skafa"))
     >>> fa.fit(train_conversations)                                # doctest: +SKIP
     >>> fa.evaluate(test_conversations)                            # doctest: +SKIP
     >>> fa.attribute(test_conversations[0])                        # doctest: +SKIP
     """
 
-    # The parameters are the pieces' parameters: so are their constraints.
     _parameter_constraints: dict = {
-        **{name: TurnActivationTransformer._parameter_constraints[name] for name in (
-            "model", "sites", "read", "prompt", "chat_template_kwargs", "cache_dir",
-            "device", "dtype", "batch_size", "verbose")},
-        **{name: GroupedArgmaxLogisticClassifier._parameter_constraints[name]
-           for name in ("C", "random_state")},
-        "cv": SiteSelector._parameter_constraints["cv"],
+        "extractor": [str, HasMethods(["fit", "transform"])],
+        "selector": [HasMethods(["fit", "predict", "turn_decision_function"]), None],
     }
 
-    # skafa.persistence: load(model=, device=) replace those parameters (the fitted
-    # pipeline_'s steps declare their own).
-    _load_overrides = frozenset({"model", "device"})
-
-    def __init__(
-        self,
-        model="smollm2",
-        *,
-        sites=None,
-        read="last",
-        C=1.0,
-        cv=None,
-        prompt=None,
-        chat_template_kwargs=None,
-        cache_dir=None,
-        device="cpu",
-        dtype="float32",
-        batch_size=1,
-        random_state=None,
-        verbose=0,
-    ):
-        self.model = model
-        self.sites = sites
-        self.read = read
-        self.C = C
-        self.cv = cv
-        self.prompt = prompt
-        self.chat_template_kwargs = chat_template_kwargs
-        self.cache_dir = cache_dir
-        self.device = device
-        self.dtype = dtype
-        self.batch_size = batch_size
-        self.random_state = random_state
-        self.verbose = verbose
+    def __init__(self, extractor="smollm2", selector=None):
+        self.extractor = extractor
+        self.selector = selector
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
@@ -443,29 +379,16 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
         """Instances for :mod:`skafa.utils.estimator_checks`."""
         from .testing import register_tiny_model
 
-        return [cls(register_tiny_model(), sites=["resid_pre.1", "resid_final"], cv=3,
-                    random_state=0)]
+        return [cls(TurnActivationTransformer(register_tiny_model(),
+                                              sites=["resid_pre.1", "resid_final"]),
+                    SiteSelector(GroupedArgmaxLogisticClassifier(random_state=0), cv=3))]
 
     # ------------------------------------------------------------------ build
     def _make_pipeline(self):
-        extractor = TurnActivationTransformer(
-            self.model,
-            sites=self.sites,
-            read=self.read,
-            prompt=self.prompt,
-            chat_template_kwargs=self.chat_template_kwargs,
-            device=self.device,
-            dtype=self.dtype,
-            cache_dir=self.cache_dir,
-            batch_size=self.batch_size,
-            verbose=self.verbose,
-        )
-        probe = GroupedArgmaxLogisticClassifier(C=self.C, random_state=self.random_state)
-        selector = SiteSelector(
-            probe,
-            cv=GroupKFold(n_splits=5) if self.cv is None else self.cv,
-            verbose=max(0, int(self.verbose) - 1),
-        )
+        extractor = (TurnActivationTransformer(self.extractor)
+                     if isinstance(self.extractor, str) else clone(self.extractor))
+        selector = (SiteSelector(GroupedArgmaxLogisticClassifier(), cv=GroupKFold(n_splits=5))
+                    if self.selector is None else clone(self.selector))
         return AttributionPipeline([("acts", extractor), ("select", selector)])
 
     # -------------------------------------------------------------------- fit
@@ -474,7 +397,7 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
         prefer_skip_nested_validation=False
     )
     def fit(self, X, y=None, groups=None):
-        """Extract activations, choose the site by grouped CV, fit the probe there.
+        """Extract the features, then fit the selector on them (site by grouped CV).
 
         Parameters
         ----------
@@ -484,8 +407,8 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
             Decisive step of each conversation; ``None`` reads every
             conversation's ``mistake_step`` (an error lists unlabelled ones).
         groups : array-like of shape (n_conversations,), default=None
-            Groups of the site search's splitter; ``None`` uses the task ids
-            when every conversation has one.
+            Groups of the selector's splitter; ``None`` uses the task ids when
+            every conversation has one.
 
         Returns
         -------
@@ -504,9 +427,9 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
         pipeline[-1].fit(Xt, y, groups=groups)
         selector = pipeline[-1]
         self.pipeline_ = pipeline
-        self.best_site_ = selector.best_site_
-        self.best_score_ = selector.best_score_
-        self.cv_results_ = selector.cv_results_
+        for name in ("best_site_", "best_score_", "cv_results_"):
+            if hasattr(selector, name):
+                setattr(self, name, getattr(selector, name))
         self.n_conversations_fit_ = len(convs)
         return self
 

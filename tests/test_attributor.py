@@ -28,6 +28,14 @@ from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokeniz
 MODEL = "attributor-tiny"
 
 
+def _fa(model=MODEL, *, sites=None, read="last", cv=None, random_state=None):
+    """A FailureAttributor built from its pieces (each with its own parameters)."""
+    return FailureAttributor(
+        TurnActivationTransformer(model, sites=sites, read=read),
+        SiteSelector(GroupedArgmaxLogisticClassifier(random_state=random_state),
+                     cv=GroupKFold(5) if cv is None else cv))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def tiny_model():
     register_model(MODEL, make_tiny_llama(), make_tiny_tokenizer(), overwrite=True)
@@ -42,7 +50,7 @@ def conversations():
 
 @pytest.fixture(scope="module")
 def fitted(conversations):
-    fa = FailureAttributor(MODEL, cv=GroupKFold(4), random_state=0)
+    fa = _fa(cv=GroupKFold(4), random_state=0)
     return fa.fit(conversations[:30])
 
 
@@ -81,7 +89,7 @@ def test_default_cv_is_groupkfold5(conversations):
 
 def test_site_chosen_on_training_data_only_grouped_by_task(conversations):
     cv = RecordingGroupKFold(3)
-    fa = FailureAttributor(MODEL, sites=["resid_pre.1", "resid_final"], cv=cv).fit(
+    fa = _fa(sites=["resid_pre.1", "resid_final"], cv=cv).fit(
         conversations[:18])
     # the site search split exactly the 18 training conversations, by task id
     assert cv.seen == [(18, [c.task_id for c in conversations[:18]])]
@@ -100,7 +108,7 @@ def test_site_chosen_on_training_data_only_grouped_by_task(conversations):
 
 def test_explicit_y_and_groups_match_defaults(conversations, fitted):
     train = conversations[:30]
-    fa = FailureAttributor(MODEL, cv=GroupKFold(4), random_state=0).fit(
+    fa = _fa(cv=GroupKFold(4), random_state=0).fit(
         train, [c.mistake_step for c in train], groups=[c.task_id for c in train])
     np.testing.assert_array_equal(fa.cv_results_["mean_test_score"],
                                   fitted.cv_results_["mean_test_score"])
@@ -111,13 +119,13 @@ def test_explicit_y_and_groups_match_defaults(conversations, fitted):
 def test_unlabelled_conversations_are_named(conversations):
     unlabelled = make_conversations(6, seed=1, labelled=False)
     with pytest.raises(ValueError, match=r"6 of 6 conversations carry no mistake_step") as info:
-        FailureAttributor(MODEL, cv=GroupKFold(2)).fit(unlabelled)
+        _fa(cv=GroupKFold(2)).fit(unlabelled)
     assert "conversation 0 (task 'task-0', record 'synthetic/0')" in str(info.value)
     mixed = conversations[:8] + [unlabelled[3]]
     with pytest.raises(ValueError, match=r"1 of 9 .*conversation 8 \(task 'task-1'"):
-        FailureAttributor(MODEL, cv=GroupKFold(2)).fit(mixed)
+        _fa(cv=GroupKFold(2)).fit(mixed)
     # with explicit labels, unlabelled conversations are fine
-    FailureAttributor(MODEL, cv=GroupKFold(2)).fit(unlabelled, [0] * 6)
+    _fa(cv=GroupKFold(2)).fit(unlabelled, [0] * 6)
 
 
 def test_bad_inputs(fitted, conversations):
@@ -164,7 +172,7 @@ def test_pipeline_delegates_skafa_methods(fitted, conversations):
 
 
 def test_clone_and_cross_val_predict(conversations):
-    fa = FailureAttributor(MODEL, sites=["resid_pre.1", "resid_final"], cv=GroupKFold(3))
+    fa = _fa(sites=["resid_pre.1", "resid_final"], cv=GroupKFold(3))
     assert repr(clone(fa)) == repr(fa)
     y = np.array([c.mistake_step for c in conversations[:24]])
     groups = [c.task_id for c in conversations[:24]]
@@ -280,10 +288,10 @@ def test_save_requires_fit(tmp_path):
 
 def test_kfold_without_groups(conversations):
     no_ids = [dataclasses.replace(c, task_id=None) for c in conversations[:20]]
-    fa = FailureAttributor(MODEL, sites=["resid_final"], cv=KFold(3)).fit(no_ids)
+    fa = _fa(sites=["resid_final"], cv=KFold(3)).fit(no_ids)
     assert fa.best_site_ == "resid_final"
     with pytest.raises(ValueError, match="groups"):
-        FailureAttributor(MODEL, sites=["resid_final"]).fit(no_ids)
+        _fa(sites=["resid_final"]).fit(no_ids)
 
 
 # -------------------------------------------------------------------- quickstart
@@ -363,8 +371,10 @@ def test_smollm2_on_who_and_when(who_and_when_dir, tmp_path):
     convs = [data.conversations[i] for i in order[:20]]
     train, test = convs[:15], convs[15:]
     fa = FailureAttributor(
-        "smollm2", sites=["resid_pre.2", "resid_pre.4"], random_state=0,
-        prompt=PromptTemplate(shorten="middle_first", max_prompt_tokens=8192),
+        TurnActivationTransformer(
+            "smollm2", sites=["resid_pre.2", "resid_pre.4"],
+            prompt=PromptTemplate(shorten="middle_first", max_prompt_tokens=8192)),
+        SiteSelector(GroupedArgmaxLogisticClassifier(random_state=0), cv=GroupKFold(5)),
     ).fit(train)
     assert fa.best_site_ in ("resid_pre.2", "resid_pre.4")
     assert fa.pipeline_[0].model_identity_["name"] == SMOLLM2_FILE

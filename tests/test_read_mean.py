@@ -140,6 +140,6 @@ def test_read_is_part_of_the_cache_key(tiny, tmp_path):
 
 
 def test_failure_attributor_forwards_read():
-    fa = FailureAttributor("smollm2", read="mean")
-    assert fa.get_params()["read"] == "mean"
+    fa = FailureAttributor(TurnActivationTransformer("smollm2", read="mean"))
+    assert fa.get_params()["extractor__read"] == "mean"
     assert fa._make_pipeline().named_steps["acts"].read == "mean"

@@ -9,6 +9,7 @@ import pytest
 import torch
 from sklearn.base import clone
 
+from skafa import GroupedArgmaxLogisticClassifier, SiteSelector
 from skafa.attributor import FailureAttributor
 from skafa.cache import activation_key, shared_memory_cache
 from skafa.conversation import Conversation, Turn
@@ -384,8 +385,8 @@ def test_plain_and_chat_renderings_do_not_share_cache_entries(tmp_path):
 
 def test_failure_attributor_forwards_recap_and_echo():
     for read in ("recap", "echo"):
-        fa = FailureAttributor("smollm2", read=read)
-        assert fa.get_params()["read"] == read
+        fa = FailureAttributor(TurnActivationTransformer("smollm2", read=read))
+        assert fa.get_params()["extractor__read"] == read
         assert fa._make_pipeline().named_steps["acts"].read == read
     with pytest.raises(ValueError, match="read must be one of"):
         TurnActivationTransformer("x", read="recaps").fit(make_conversations(1))
@@ -395,8 +396,9 @@ def test_failure_attributor_forwards_recap_and_echo():
 def test_failure_attributor_fits_with_recap(tiny):
     name, _, _ = tiny
     convs = make_conversations(12, min_turns=2, max_turns=4, seed=9)
-    fa = FailureAttributor(name, read="recap", sites=["resid_pre.1", "resid_final"], cv=2,
-                           random_state=0).fit(convs)
+    fa = FailureAttributor(
+        TurnActivationTransformer(name, read="recap", sites=["resid_pre.1", "resid_final"]),
+        SiteSelector(GroupedArgmaxLogisticClassifier(random_state=0), cv=2)).fit(convs)
     assert fa.best_site_ in ("resid_pre.1", "resid_final")
     assert fa.predict(convs).shape == (len(convs),)
 
