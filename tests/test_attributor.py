@@ -91,8 +91,10 @@ def test_site_chosen_on_training_data_only_grouped_by_task(conversations):
     cv = RecordingGroupKFold(3)
     fa = _fa(sites=["resid_pre.1", "resid_final"], cv=cv).fit(
         conversations[:18])
-    # the site search split exactly the 18 training conversations, by task id
-    assert cv.seen == [(18, [c.task_id for c in conversations[:18]])]
+    # the site search split exactly the 18 training conversations, by task id (the
+    # fitted pipeline holds a clone of the selector, and so of its splitter)
+    used = fa.pipeline_.named_steps["select"].cv
+    assert used.seen == [(18, [c.task_id for c in conversations[:18]])]
     assert fa.pipeline_[-1].n_splits_ == 3
     assert list(fa.cv_results_["site"]) == ["resid_pre.1", "resid_final"]
     # ...and equals a SiteSelector fitted by hand on the training features

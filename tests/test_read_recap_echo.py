@@ -146,7 +146,7 @@ def test_recap_format_and_headers_are_used_and_validated():
     for bad in ("Step {i}\n", "Step {i} ", "", "{content}", "Step {j}"):
         with pytest.raises(ValueError, match="recap_format"):
             PromptTemplate(recap_format=bad)
-    with pytest.raises(ValueError, match="read must be one of"):
+    with pytest.raises(ValueError, match="read.*must be a str among"):
         encode(conv, tok, read="first")
     with pytest.raises(ValueError, match="chat_template must be one of"):
         PromptTemplate(chat_template="none")
@@ -272,7 +272,7 @@ def test_fingerprints_per_read_keep_old_keys():
     assert other.fingerprint() == t.fingerprint()  # the last-token prompt is the same
     assert other.fingerprint(read="recap") != fps["recap"]
     assert other.fingerprint(read="echo") != fps["echo"]
-    with pytest.raises(ValueError, match="read must be one of"):
+    with pytest.raises(ValueError, match="read.*must be a str among"):
         t.fingerprint(read="first")
 
 
@@ -388,7 +388,7 @@ def test_failure_attributor_forwards_recap_and_echo():
         fa = FailureAttributor(TurnActivationTransformer("smollm2", read=read))
         assert fa.get_params()["extractor__read"] == read
         assert fa._make_pipeline().named_steps["acts"].read == read
-    with pytest.raises(ValueError, match="read must be one of"):
+    with pytest.raises(ValueError, match="read.*must be a str among"):
         TurnActivationTransformer("x", read="recaps").fit(make_conversations(1))
 
 
