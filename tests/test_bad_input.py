@@ -322,7 +322,7 @@ def _record(**changes):
     return {k: v for k, v in record.items() if v is not ...}
 
 
-@pytest.mark.parametrize("task_id", [..., None, "", "  ", 5.5])
+@pytest.mark.parametrize("task_id", [..., None, "", 5.5, True])
 def test_record_without_question_id_is_refused(task_id):
     with pytest.raises(ConversationError, match=r"rec-3.*question_ID"):
         Conversation.from_who_and_when(_record(question_ID=task_id), record_id="rec-3")
