@@ -741,6 +741,9 @@ class TurnFeatures:
     def save(self, path) -> None:
         """Write to a safetensors file (arrays + JSON metadata, no pickle).
 
+        The file is written atomically and carries a SHA-256 digest of its header
+        and tensors, which :meth:`load` verifies.
+
         Parameters
         ----------
         path : str or path-like

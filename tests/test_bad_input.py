@@ -95,6 +95,12 @@ def test_tampered_sparse_index_out_of_range_is_refused(tmp_path):
     (lambda t, m: m.__setitem__("sparse", "1"), "sparse"),
     (lambda t, m: t.__setitem__("extra", np.zeros(3)), "tensor"),
     (lambda t, m: m.pop("speakers"), "speakers"),
+], ids=[
+    'negative-index', 'indptr-past-end', 'indptr-decreasing', 'indptr-short',
+    'indices-short', 'indices-float', 'shape-more-rows', 'shape-3d', 'shape-negative',
+    'shape-not-list', 'offsets-decreasing', 'offsets-float', 'speakers-length',
+    'speakers-int', 'task-ids-length', 'task-ids-int', 'feature-names-length',
+    'sites-length', 'sites-int', 'sparse-not-bool', 'extra-tensor', 'speakers-missing',
 ])
 def test_tampered_sparse_structure_is_refused(tmp_path, edit, message):
     path = tmp_path / "x.safetensors"
@@ -110,6 +116,9 @@ def test_tampered_sparse_structure_is_refused(tmp_path, edit, message):
     (lambda t, m: t.__setitem__("offsets", t["offsets"].astype(np.float32)), "offsets"),
     (lambda t, m: t.__setitem__("offsets", t["offsets"][None]), "offsets"),
     (lambda t, m: t.pop("values"), "values"),
+], ids=[
+    'values-fewer-features', 'values-2d', 'offsets-float', 'offsets-2d',
+    'values-missing',
 ])
 def test_tampered_dense_structure_is_refused(tmp_path, edit, message):
     path = tmp_path / "x.safetensors"
