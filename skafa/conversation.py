@@ -8,6 +8,7 @@ label is ``mistake_step``: the 0-based index of the decisive turn.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -60,7 +61,7 @@ def _speaker_of(msg, key, fallback, where, label):
 
 
 def _parse_step(raw_step, where):
-    """A Who&When ``mistake_step``: an int, or a string of ASCII digits only.
+    """A Who&When ``mistake_step``: an int, or a string of ASCII digits (``-`` allowed).
 
     ``int()`` would also accept ``"1_0"`` (10), ``"٣"`` and ``"２"``; those are
     not step numbers a dataset means.
@@ -71,13 +72,13 @@ def _parse_step(raw_step, where):
         return raw_step
     elif isinstance(raw_step, str):
         text = raw_step.strip()
-        ok = text.isascii() and text.isdigit()
+        ok = re.fullmatch(r"-?[0-9]+", text) is not None  # [0-9]: ASCII digits only
     else:
         ok = False
     if not ok:
         raise ConversationError(
             f"{where}: field 'mistake_step'={raw_step!r} is not an integer (an int or a "
-            "string of ASCII digits 0-9)."
+            "string of ASCII digits 0-9, optionally after '-')."
         )
     return int(text)
 

@@ -351,7 +351,7 @@ def test_loader_names_and_counts_records_without_question_id(tmp_path):
     assert len(data.conversations) == 1 and "question_ID" in data.skipped[0][1]
 
 
-@pytest.mark.parametrize("step", ["1_0", "٣", "２", "+1", " 1 0", "0x1", "1.0", "-0"])
+@pytest.mark.parametrize("step", ["1_0", "٣", "２", "+1", " 1 0", "0x1", "1.0", "-٣", "--1"])
 def test_mistake_step_must_be_ascii_digits(step):
     history = [{"name": f"a{i}", "content": "x"} for i in range(12)]
     with pytest.raises(ConversationError, match="mistake_step"):
