@@ -447,16 +447,61 @@ def _render(template, conversation, tokenizer, contents, chat_template_kwargs, w
     text = render(messages)
     # The text after the last turn line of the user message (PromptTemplate.messages).
     tail = "\n\n" + template.instruction if template.instruction else ""
+    key = ("chat", str(tokenizer.chat_template), type(tokenizer).__name__,
+           _canonical(getattr(tokenizer, "special_tokens_map", None)),
+           _canonical(messages[:-1]), _canonical(kwargs))
     spans, last_chars = _locate_lines(text, render, messages, lines, tail, conversation,
-                                      where)
+                                      where, key)
     return text, spans, last_chars
 
 
 #: Stands in for the user message to find where the chat template puts it.
 _USER_SENTINEL = "skafa0user0message0sentinel0d41c8"
+#: ``(head, foot)`` around the user message, by rendering inputs (see _user_slot).
+_SLOTS = {}
 
 
-def _locate_lines(text, render, messages, lines, tail, conversation, where):
+def _canonical(obj):
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str)
+
+
+def _user_slot(render, messages, key, where, refresh=False):
+    """The text a rendering puts before and after the user message.
+
+    Found by rendering ``messages`` with the user message replaced by a sentinel,
+    and kept by ``key`` (everything else the rendering depends on), so that each
+    prompt is rendered once; ``refresh`` renders again (a template that writes
+    today's date changes its shell at midnight).
+    """
+    if not refresh and key in _SLOTS:
+        return _SLOTS[key]
+    shell_messages = [dict(m) for m in messages]
+    shell_messages[-1]["content"] = _USER_SENTINEL
+    shell = render(shell_messages)
+    k = shell.find(_USER_SENTINEL)
+    if k < 0 or shell.find(_USER_SENTINEL, k + 1) >= 0:
+        raise ValueError(
+            f"{where}: the chat template does not insert the user message once and "
+            "verbatim, so turn positions cannot be located. Check "
+            "tokenizer.chat_template.")
+    if len(_SLOTS) >= 256:
+        _SLOTS.clear()
+    _SLOTS[key] = slot = (shell[:k], shell[k + len(_USER_SENTINEL):])
+    return slot
+
+
+def _user_base(text, head, foot, user):
+    """Offset in ``text`` of the user message's first character, or None."""
+    if text.startswith(head) and text.endswith(foot) and len(text) >= len(head) + len(foot):
+        middle = text[len(head):len(text) - len(foot)]
+        for lead in (0, len(user) - len(user.lstrip())):  # verbatim, or trimmed
+            if (user[lead:lead + len(middle)] == middle
+                    and not user[lead + len(middle):].strip()):
+                return len(head) - lead
+    return None
+
+
+def _locate_lines(text, render, messages, lines, tail, conversation, where, key):
     """``[start, end)`` and last character of every turn line in ``text``, from the layout.
 
     skafa builds the user message itself, so the offset of every turn line inside it
@@ -483,6 +528,9 @@ def _locate_lines(text, render, messages, lines, tail, conversation, where):
     conversation : Conversation
     where : str
         Names the conversation in errors.
+    key : tuple
+        Everything but the user message that the rendering depends on (caches the
+        shell, see :func:`_user_slot`).
 
     Returns
     -------
@@ -503,25 +551,12 @@ def _locate_lines(text, render, messages, lines, tail, conversation, where):
                            "prompt layout puts them.")  # pragma: no cover
     starts_in_user = first + np.concatenate(
         [[0], np.cumsum([len(line) + 1 for line in joined[:-1]])]).astype(np.int64)
-    # Where the chat template puts the user message.
-    shell_messages = [dict(m) for m in messages]
-    shell_messages[-1]["content"] = _USER_SENTINEL
-    shell = render(shell_messages)
-    k = shell.find(_USER_SENTINEL)
-    if k < 0 or shell.find(_USER_SENTINEL, k + 1) >= 0:
-        raise ValueError(
-            f"{where}: the chat template does not insert the user message once and "
-            "verbatim, so turn positions cannot be located. Check "
-            "tokenizer.chat_template.")
-    head, foot = shell[:k], shell[k + len(_USER_SENTINEL):]
-    base = None
-    if text.startswith(head) and text.endswith(foot) and len(text) >= len(head) + len(foot):
-        middle = text[len(head):len(text) - len(foot)]
-        for lead in (0, len(user) - len(user.lstrip())):  # verbatim, or trimmed
-            if (user[lead:lead + len(middle)] == middle
-                    and not user[lead + len(middle):].strip()):
-                base = len(head) - lead
-                break
+    # Where the rendering puts the user message.
+    head, foot = _user_slot(render, messages, key, where)
+    base = _user_base(text, head, foot, user)
+    if base is None:  # maybe a stale shell (a dated template): render it again
+        head, foot = _user_slot(render, messages, key, where, refresh=True)
+        base = _user_base(text, head, foot, user)
 
     def not_found(i):
         speaker = conversation.turns[i].speaker
