@@ -11,8 +11,10 @@ structure checks alone must then refuse the file or give a container that is saf
 use (``toarray`` of a sparse block must not write out of bounds).
 """
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 import tracemalloc
 import warnings
@@ -61,6 +63,7 @@ def _features():
 
 FEATURES = _features()
 _TMP = tempfile.mkdtemp(prefix="skafa-fuzz-")
+atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
 BLOBS = {}
 for _name, _X in FEATURES.items():
     _path = os.path.join(_TMP, f"{_name}.safetensors")
