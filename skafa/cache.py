@@ -16,8 +16,10 @@ Two layers, both optional:
 - an on-disk directory: one safetensors file per conversation,
   ``<dir>/<key[:2]>/<key>.safetensors``, written atomically (temporary file in the
   same folder, ``fsync``, ``os.replace``) so concurrent writers never leave a
-  half-written entry under the final name. Every read checks the header, the
-  shape, the site list, a CRC-32 of the data and finiteness; a bad entry is
+  half-written entry under the final name. Every read checks a SHA-256 digest of
+  the header and the data (so edited site names are caught, not only flipped
+  values), the key, the shape, the site list, a CRC-32 of the data and
+  finiteness; a bad entry (or one written before digests existed) is
   reported with a :class:`CacheCorruptionWarning` and treated as a miss (it is
   then recomputed and overwritten), never used.
 
@@ -43,7 +45,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .sites import site_depth
-from .utils._io import write_safetensors
+from .utils._io import json_field, read_safetensors, write_safetensors
 
 __all__ = [
     "ActivationCache",
@@ -425,29 +427,33 @@ def _write_entry(path, key, sites, values):
 
 
 def _read_entry(path, key, *, n_turns, hidden_size):
-    """Read and check one entry; raise ValueError describing any problem."""
-    from safetensors import safe_open
+    """Read and check one entry; raise ValueError describing any problem.
 
-    with safe_open(path, framework="numpy") as f:
-        metadata = f.metadata() or {}
-        if metadata.get("format") != _FORMAT:
-            raise ValueError(f"format {metadata.get('format')!r}, expected {_FORMAT!r}")
-        if metadata.get("key") != key:
-            raise ValueError("the key stored in the file does not match its name")
-        names = list(f.keys())
-        if names != [_TENSOR]:
-            raise ValueError(f"tensors {names}, expected [{_TENSOR!r}]")
-        values = f.get_tensor(_TENSOR)
-    sites = json.loads(metadata["sites"])
+    The SHA-256 digest of :func:`~skafa.utils._io.read_safetensors` covers the
+    header (key, site names, shape) and the values, so an entry whose site names
+    were reordered is refused although its values' CRC still matches. Entries
+    written before digests existed have none and are refused too (a miss: they are
+    recomputed and overwritten).
+    """
+    tensors, metadata = read_safetensors(path, require_digest=True)
+    if metadata.get("format") != _FORMAT:
+        raise ValueError(f"format {metadata.get('format')!r}, expected {_FORMAT!r}")
+    if metadata.get("key") != key:
+        raise ValueError("the key stored in the file does not match its name")
+    names = sorted(tensors)
+    if names != [_TENSOR]:
+        raise ValueError(f"tensors {names}, expected [{_TENSOR!r}]")
+    values = tensors[_TENSOR]
+    sites = json_field(metadata, "sites")
     if (not isinstance(sites, list) or not sites or not all(isinstance(s, str) for s in sites)
             or len(set(sites)) != len(sites)):
-        raise ValueError(f"invalid site list {sites!r}")
+        raise ValueError("invalid site list")
     for s in sites:
         site_depth(s)  # raises on an unknown site name
     if values.dtype != np.float32:
         raise ValueError(f"dtype {values.dtype}, expected float32")
     expected = (n_turns, len(sites), hidden_size)
-    if values.shape != expected or list(values.shape) != json.loads(metadata["shape"]):
+    if values.shape != expected or list(values.shape) != json_field(metadata, "shape"):
         raise ValueError(f"shape {values.shape}, expected {expected}")
     if _crc(values) != metadata.get("crc32"):
         raise ValueError("CRC-32 mismatch (data changed after writing)")

@@ -36,7 +36,7 @@ from .utils._sklearn_compat import (
     _fit_context,
     _name_estimators,
 )
-from .utils._validation import check_turn_features, describe
+from .utils._validation import check_feature_names, check_turn_features, describe
 from .utils._verbose import Timer
 
 __all__ = [
@@ -91,7 +91,8 @@ class PerTurn(TransformerMixin, MetaEstimatorMixin, BaseEstimator,
     n_features_in_ : int
         Number of features per turn seen in ``fit``.
     feature_names_in_ : ndarray of str
-        Feature names of ``X`` when it has them.
+        Feature names of ``X`` when it has them; ``transform`` refuses features
+        whose names differ (other names, or the same in another order).
 
     Notes
     -----
@@ -139,10 +140,7 @@ class PerTurn(TransformerMixin, MetaEstimatorMixin, BaseEstimator,
         }
         self.sites_ = tuple(X.sites)
         self.n_features_in_ = X.n_features
-        if X.feature_names is not None:
-            self.feature_names_in_ = np.asarray(X.feature_names, dtype=object)
-        elif hasattr(self, "feature_names_in_"):
-            del self.feature_names_in_
+        check_feature_names(self, X, reset=True)
         return self
 
     def transform(self, X):
@@ -165,6 +163,7 @@ class PerTurn(TransformerMixin, MetaEstimatorMixin, BaseEstimator,
                 f"X has {X.n_features} features per turn, but PerTurn was fitted with "
                 f"{self.n_features_in_}."
             )
+        check_feature_names(self, X, reset=False)
         unknown = [s for s in X.sites if s not in self.transformers_]
         if unknown:
             raise ValueError(
@@ -573,6 +572,10 @@ class SiteConcatenator(TransformerMixin, BaseEstimator, auto_wrap_output_keys=No
         Features per input site seen in :meth:`fit`.
     n_features_in_ : int
         The same (scikit-learn's name).
+
+    feature_names_in_ : ndarray of str
+        Feature names of ``X`` in :meth:`fit`, when it has them; :meth:`transform`
+        refuses features whose names differ (other names, or another order).
     feature_names_out_ : ndarray of str
         Output feature names.
 
@@ -636,6 +639,8 @@ class SiteConcatenator(TransformerMixin, BaseEstimator, auto_wrap_output_keys=No
         self.site_name_ = "+".join(sites)
         self.n_site_features_ = X.n_features
         self.n_features_in_ = X.n_features
+
+        check_feature_names(self, X, reset=True)
         base = X.feature_names or tuple(f"x{k}" for k in range(X.n_features))
         self.feature_names_out_ = np.asarray(
             [f"{s}__{f}" for s in sites for f in base], dtype=object
@@ -667,6 +672,7 @@ class SiteConcatenator(TransformerMixin, BaseEstimator, auto_wrap_output_keys=No
                 f"SiteConcatenator: input has {X.n_features} features per site, fit saw "
                 f"{self.n_site_features_}."
             )
+        check_feature_names(self, X, reset=False)
         if X.values.ndim == 2:  # a single block: sites_ is that block
             values = X.values
         else:

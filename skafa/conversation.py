@@ -8,6 +8,7 @@ label is ``mistake_step``: the 0-based index of the decisive turn.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -25,6 +26,61 @@ class ConversationError(ValueError):
 
 def _where(record_id: str | None) -> str:
     return f"record {record_id!r}" if record_id is not None else "conversation"
+
+
+def _check_text(value, where, what):
+    """Raise unless ``value`` can be encoded as UTF-8 (no lone surrogate).
+
+    ``json.loads`` accepts ``"\\ud800"`` and Python strings can hold it, but no
+    tokenizer can encode it; naming the record and field here beats a failure
+    deep inside the tokenizer.
+    """
+    if value.isascii():
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConversationError(
+            f"{where}: {what} contains a lone surrogate ({value[exc.start]!r} at "
+            f"character {exc.start}), which is not valid Unicode text; fix or drop it "
+            "(e.g. text.encode('utf-8', 'replace').decode())."
+        ) from None
+
+
+def _speaker_of(msg, key, fallback, where, label):
+    """The speaker under ``key``; ``fallback`` only when ``key`` is absent, None or blank."""
+    speaker = msg.get(key)
+    if speaker is not None and not isinstance(speaker, str):
+        raise ConversationError(
+            f"{where}: {label} field {key!r} must be text, got "
+            f"{type(speaker).__name__} {speaker!r}."
+        )
+    if (speaker is None or not speaker.strip()) and fallback:
+        speaker = msg.get(fallback)
+    return speaker
+
+
+def _parse_step(raw_step, where):
+    """A Who&When ``mistake_step``: an int, or a string of ASCII digits (``-`` allowed).
+
+    ``int()`` would also accept ``"1_0"`` (10), ``"٣"`` and ``"２"``; those are
+    not step numbers a dataset means.
+    """
+    if isinstance(raw_step, bool):
+        ok = False
+    elif isinstance(raw_step, int):
+        return raw_step
+    elif isinstance(raw_step, str):
+        text = raw_step.strip()
+        ok = re.fullmatch(r"-?[0-9]+", text) is not None  # [0-9]: ASCII digits only
+    else:
+        ok = False
+    if not ok:
+        raise ConversationError(
+            f"{where}: field 'mistake_step'={raw_step!r} is not an integer (an int or a "
+            "string of ASCII digits 0-9, optionally after '-')."
+        )
+    return int(text)
 
 
 @dataclass(frozen=True)
@@ -121,6 +177,11 @@ class Conversation:
                     f"{where}: turn {i} is a {type(turn).__name__}, not a Turn."
                 )
         object.__setattr__(self, "turns", turns)
+        for i, turn in enumerate(turns):
+            _check_text(turn.speaker, where, f"turn {i} speaker")
+            _check_text(turn.content, where, f"turn {i} content")
+            if turn.role is not None:
+                _check_text(turn.role, where, f"turn {i} role")
         for name in ("task", "expected_answer"):
             value = getattr(self, name)
             if value is None:
@@ -133,6 +194,8 @@ class Conversation:
                     raise ConversationError(
                         f"{where}: field {name!r} must be text, got {type(value).__name__}."
                     )
+        for name in ("task", "expected_answer"):
+            _check_text(getattr(self, name), where, name)
         if self.task_id is not None and not isinstance(self.task_id, str):
             from .utils._validation import check_task_id
 
@@ -162,6 +225,9 @@ class Conversation:
             object.__setattr__(self, "mistake_step", step)
         if self.mistake_agent is not None and not isinstance(self.mistake_agent, str):
             raise ConversationError(f"{where}: field 'mistake_agent' must be text.")
+        for name in ("task_id", "mistake_agent"):
+            if getattr(self, name) is not None:
+                _check_text(getattr(self, name), where, name)
         if not isinstance(self.metadata, Mapping):
             raise ConversationError(f"{where}: 'metadata' must be a mapping.")
         object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
@@ -232,8 +298,41 @@ class Conversation:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> Conversation:
-        """Build a conversation from the output of :meth:`to_dict`."""
-        turns = [Turn(t["speaker"], t["content"], t.get("role")) for t in data["turns"]]
+        """Build a conversation from the output of :meth:`to_dict`.
+
+        Raises
+        ------
+        ConversationError
+            Naming the record (when ``record_id`` is given) and the missing or
+            malformed field (``'turns'``, ``turns[3].'speaker'``, ...).
+        """
+        if not isinstance(data, Mapping):
+            raise ConversationError(
+                f"conversation: expected a mapping (the output of Conversation.to_dict), "
+                f"got {type(data).__name__}."
+            )
+        where = _where(data.get("record_id"))
+        if "turns" not in data:
+            raise ConversationError(f"{where}: missing required field 'turns'.")
+        raw = data["turns"]
+        if isinstance(raw, (str, bytes, Mapping)) or not isinstance(raw, Sequence):
+            raise ConversationError(f"{where}: field 'turns' must be a list of turn dicts.")
+        turns = []
+        for i, t in enumerate(raw):
+            if not isinstance(t, Mapping):
+                raise ConversationError(
+                    f"{where}: turns[{i}] is a {type(t).__name__}, not a dict with "
+                    "'speaker' and 'content'."
+                )
+            for key in ("speaker", "content"):
+                if key not in t:
+                    raise ConversationError(
+                        f"{where}: turns[{i}] is missing required field {key!r}."
+                    )
+            try:
+                turns.append(Turn(t["speaker"], t["content"], t.get("role")))
+            except ConversationError as exc:
+                raise ConversationError(f"{where}: turns[{i}]: {exc}") from None
         return cls(
             turns,
             task=data.get("task", ""),
@@ -252,7 +351,10 @@ class Conversation:
         Algorithm-Generated records name the speaker in each turn's ``name``;
         Hand-Crafted records have no ``name`` and the speaker is ``role``
         (e.g. ``"Orchestrator (thought)"``). ``mistake_step`` arrives as a string
-        and is converted to an int.
+        and is converted to an int; only ASCII digits are a number (``"1_0"``,
+        ``"٣"`` and ``"２"`` are refused, although ``int()`` accepts them).
+        ``question_ID`` is required: it is the task id used as ``groups`` by
+        grouped splitters, and a record without one would only fail much later.
 
         Parameters
         ----------
@@ -265,17 +367,24 @@ class Conversation:
         Raises
         ------
         ConversationError
-            Naming the record and field: missing keys, empty history, a turn
-            without speaker or with non-text content, a non-integer or
-            out-of-range ``mistake_step``.
+            Naming the record and field: missing keys (``question_ID``
+            included), an empty or non-text ``question_ID``, empty history, a turn
+            without speaker, with a non-text ``name`` or content, text holding a
+            lone surrogate, a non-integer or out-of-range ``mistake_step``.
         """
         where = _where(record_id)
         if not isinstance(record, Mapping):
             raise ConversationError(f"{where}: expected a JSON object, got {type(record).__name__}.")
-        required = ("question", "history", "mistake_step", "mistake_agent")
+        required = ("question", "question_ID", "history", "mistake_step", "mistake_agent")
         missing = [k for k in required if k not in record]
         if missing:
             raise ConversationError(f"{where}: missing required field(s) {missing}.")
+        task_id = record["question_ID"]
+        if isinstance(task_id, bool) or not isinstance(task_id, (str, int)) or task_id == "":
+            raise ConversationError(
+                f"{where}: field 'question_ID' must be a non-empty string (the task id that "
+                f"groups runs of the same task), got {task_id!r}."
+            )
         history = record["history"]
         if not isinstance(history, list):
             raise ConversationError(f"{where}: field 'history' must be a list of turns.")
@@ -285,8 +394,8 @@ class Conversation:
         for i, msg in enumerate(history):
             if not isinstance(msg, Mapping):
                 raise ConversationError(f"{where}: history[{i}] is not an object.")
-            name, role = msg.get("name"), msg.get("role")
-            speaker = name if isinstance(name, str) and name.strip() else role
+            role = msg.get("role")
+            speaker = _speaker_of(msg, "name", "role", where, f"history[{i}]")
             if not isinstance(speaker, str) or not speaker.strip():
                 raise ConversationError(
                     f"{where}: history[{i}] has no speaker (neither 'name' nor 'role')."
@@ -298,15 +407,7 @@ class Conversation:
                     f"{type(content).__name__}."
                 )
             turns.append(Turn(speaker, content, role if isinstance(role, str) else None))
-        raw_step = record["mistake_step"]
-        try:
-            if isinstance(raw_step, bool) or isinstance(raw_step, float):
-                raise ValueError
-            step = int(str(raw_step).strip())
-        except ValueError:
-            raise ConversationError(
-                f"{where}: field 'mistake_step'={raw_step!r} is not an integer."
-            ) from None
+        step = _parse_step(record["mistake_step"], where)
         if not 0 <= step < len(turns):
             raise ConversationError(
                 f"{where}: field 'mistake_step'={step} is outside the history "
@@ -322,7 +423,7 @@ class Conversation:
             turns,
             task=record["question"] if record["question"] is not None else "",
             expected_answer=record.get("ground_truth", ""),
-            task_id=record.get("question_ID"),
+            task_id=task_id,
             mistake_step=step,
             mistake_agent=agent,
             record_id=record_id,
@@ -350,7 +451,8 @@ class Conversation:
         ----------
         messages : sequence of dict
             Each with ``"content"`` and a speaker under ``speaker_key``
-            (or ``fallback_speaker_key`` when that key is absent or empty).
+            (or ``fallback_speaker_key`` when that key is absent, None or empty;
+            a value of another type, such as ``name=5``, raises).
         speaker_key : str, default="name"
             Key holding the speaker.
         fallback_speaker_key : str or None, default="role"
@@ -361,8 +463,8 @@ class Conversation:
         Raises
         ------
         ConversationError
-            Naming the message index when a speaker is missing or content is not text
-            (e.g. a tool-call message whose content is ``None``).
+            Naming the message index when a speaker is missing or not text, or
+            content is not text (e.g. a tool-call message whose content is ``None``).
         """
         where = _where(record_id)
         if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
@@ -373,9 +475,7 @@ class Conversation:
         for i, msg in enumerate(messages):
             if not isinstance(msg, Mapping):
                 raise ConversationError(f"{where}: message {i} is not a dict.")
-            speaker = msg.get(speaker_key)
-            if (not isinstance(speaker, str) or not speaker.strip()) and fallback_speaker_key:
-                speaker = msg.get(fallback_speaker_key)
+            speaker = _speaker_of(msg, speaker_key, fallback_speaker_key, where, f"message {i}")
             if not isinstance(speaker, str) or not speaker.strip():
                 keys = [speaker_key] + ([fallback_speaker_key] if fallback_speaker_key else [])
                 raise ConversationError(f"{where}: message {i} has no speaker under {keys}.")

@@ -23,11 +23,145 @@ from collections.abc import Sequence
 import numpy as np
 import scipy.sparse as sp
 
-from .utils._validation import describe
+from .utils._validation import describe, locate_row
 
 __all__ = ["TurnFeatures"]
 
 _FORMAT = "skafa.TurnFeatures/1"
+_NUMERIC = "biuf"  # dtype kinds a TurnFeatures may hold (bool, ints, floats)
+
+
+def _check_csr_parts(data, indices, indptr, shape):
+    """Raise ``ValueError`` unless the parts form a valid CSR matrix of ``shape``.
+
+    scipy trusts ``indices`` and ``indptr``: an out-of-range column index makes
+    ``.toarray()`` write outside its buffer (a segfault), so hostile or corrupt
+    parts are checked in full here, in O(nnz).
+    """
+    n_rows, n_cols = shape
+    for name, arr in (("sparse_data", data), ("sparse_indices", indices),
+                      ("sparse_indptr", indptr)):
+        if arr.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if data.dtype.kind not in _NUMERIC:
+        raise ValueError(f"sparse_data has dtype {data.dtype}; expected a numeric dtype")
+    for name, arr in (("sparse_indices", indices), ("sparse_indptr", indptr)):
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"{name} has dtype {arr.dtype}; expected integers")
+    if indices.shape != data.shape:
+        raise ValueError(f"sparse_indices has {indices.size} entries for {data.size} "
+                         "stored values")
+    if indptr.shape != (n_rows + 1,):
+        raise ValueError(f"sparse_indptr has {indptr.size} entries for {n_rows} rows "
+                         f"(expected {n_rows + 1})")
+    ptr = indptr.astype(np.int64)
+    if ptr[0] != 0 or ptr[-1] != data.size or np.any(np.diff(ptr) < 0):
+        raise ValueError("sparse_indptr must start at 0, never decrease and end at the "
+                         f"number of stored values ({data.size})")
+    if indices.size:
+        idx = indices.astype(np.int64)
+        bad = (idx < 0) | (idx >= n_cols)
+        if indices.dtype == np.uint64:
+            bad |= indices > np.uint64(np.iinfo(np.int64).max)
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"column index {indices[k]} of stored value {k} is outside "
+                             f"0..{n_cols - 1}")
+
+
+def _same_array(a, b):
+    """Exact equality of two arrays, NaN equal to NaN at the same position."""
+    nan_aware = a.dtype.kind in "fc" and b.dtype.kind in "fc"
+    return np.array_equal(a, b, equal_nan=nan_aware)
+
+
+def _str_list(value, name, *, allow_none_items=False):
+    """Check a list of strings read from a header (``None`` stays ``None``)."""
+    if value is None:
+        return None
+    ok = isinstance(value, list) and all(
+        isinstance(v, str) or (allow_none_items and v is None) for v in value)
+    if not ok:
+        what = "strings or nulls" if allow_none_items else "strings"
+        raise ValueError(f"header field {name!r} must be null or a list of {what}")
+    return value
+
+
+def _contents_from_file(tensors, meta):
+    """Values, offsets and keyword arguments of a TurnFeatures, checked in full."""
+    from .utils._io import json_field
+
+    sparse = json_field(meta, "sparse")
+    if not isinstance(sparse, bool):
+        raise ValueError(f"header field 'sparse' must be true or false, got {sparse!r}")
+    expected = ({"offsets", "sparse_data", "sparse_indices", "sparse_indptr"} if sparse
+                else {"offsets", "values"})
+    if set(tensors) != expected:
+        raise ValueError(f"the file holds the tensors {sorted(tensors)}; expected "
+                         f"{sorted(expected)}")
+    shape = json_field(meta, "shape")
+    if not (isinstance(shape, list) and shape and all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
+        raise ValueError("header field 'shape' must be a list of non-negative ints")
+    offsets = tensors["offsets"]
+    if offsets.ndim != 1 or offsets.dtype.kind not in "iu":
+        raise ValueError(f"tensor 'offsets' must be a 1-D integer array, got dtype "
+                         f"{offsets.dtype} and shape {offsets.shape}")
+    if sparse:
+        if len(shape) != 2:
+            raise ValueError(f"a sparse TurnFeatures has a 2-D shape, the header says {shape}")
+        data, indices, indptr = (tensors[k] for k in
+                                 ("sparse_data", "sparse_indices", "sparse_indptr"))
+        _check_csr_parts(data, indices, indptr, tuple(shape))
+        values = sp.csr_matrix((data, indices, indptr), shape=tuple(shape))
+    else:
+        values = tensors["values"]
+        if values.dtype.kind not in _NUMERIC:
+            raise ValueError(f"tensor 'values' has dtype {values.dtype}; expected a numeric "
+                             "dtype")
+        if list(values.shape) != shape:
+            raise ValueError(f"tensor 'values' has shape {values.shape} but the header "
+                             f"says {tuple(shape)}")
+    sites = _str_list(json_field(meta, "sites"), "sites")
+    if sites is None:
+        raise ValueError("header field 'sites' must be a list of strings")
+    kwargs = dict(
+        sites=sites,
+        feature_names=_str_list(json_field(meta, "feature_names"), "feature_names"),
+        speakers=_str_list(json_field(meta, "speakers"), "speakers"),
+        task_ids=_str_list(json_field(meta, "task_ids"), "task_ids", allow_none_items=True),
+    )
+    return values, offsets, kwargs
+
+
+def _agreeing(parts, attr, first):
+    """The one ``attr`` (speakers or task_ids) of parts that describe the same turns.
+
+    Parts without it take it from the others; two parts holding different values
+    raise, naming the first conversation (and turn) where they differ.
+    """
+    ref, ref_j = None, None
+    for j, p in enumerate(parts):
+        value = getattr(p, attr)
+        if value is None:
+            continue
+        if ref is None:
+            ref, ref_j = value, j
+            continue
+        diff = np.flatnonzero(ref != value)
+        if diff.size:
+            k = int(diff[0])
+            if attr == "speakers":
+                conv, turn = locate_row(first, k)
+                where = f"{describe(first, conv)}, turn {turn}"
+            else:
+                where = describe(first, k)
+            raise ValueError(
+                f"parts {ref_j} and {j} describe the same conversations but their {attr} "
+                f"differ at {where}: {ref[k]!r} vs {value[k]!r}. Concatenate features "
+                "of the same conversations, in the same order."
+            )
+    return ref
 
 
 def _as_str_tuple(values, name):
@@ -86,6 +220,7 @@ class TurnFeatures:
                  speakers=None, task_ids=None):
         if sp.issparse(values):
             values = sp.csr_matrix(values)
+            _check_csr_parts(values.data, values.indices, values.indptr, values.shape)
         else:
             values = np.asarray(values)
             if values.ndim not in (2, 3):
@@ -296,21 +431,13 @@ class TurnFeatures:
         Raises
         ------
         ValueError
-            If a step lies outside its conversation (naming it and its task id).
+            If a step is not an integer (``1.7``, ``"1"``, a bool; ``2.0`` is
+            accepted) or lies outside its conversation (naming it and its task id).
         """
-        steps = np.asarray(steps)
-        if steps.shape != (self.n_conversations,):
-            raise ValueError(
-                f"need one step per conversation ({self.n_conversations}), got shape {steps.shape}."
-            )
-        bad = np.flatnonzero((steps < 0) | (steps >= self.n_turns))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(
-                f"step {int(steps[i])} is outside {describe(self, i)}, which has "
-                f"{int(self.n_turns[i])} turns."
-            )
-        return self.offsets[:-1] + steps.astype(np.int64)
+        from .utils._validation import check_steps
+
+        steps = check_steps(steps, self, name="steps")
+        return self.offsets[:-1] + steps
 
     def speakers_at(self, steps) -> np.ndarray:
         """Speaker of turn ``steps[i]`` in conversation ``i``.
@@ -414,6 +541,10 @@ class TurnFeatures:
         return ", ".join(s) if len(s) <= 6 else ", ".join(s[:3] + ["..."] + s[-2:])
 
     def _site_index(self, site) -> int:
+        if isinstance(site, (bool, np.bool_)):
+            raise TypeError(
+                f"site {site!r} is a bool; select sites by name or by int index."
+            )
         if isinstance(site, numbers.Integral):
             if not -self.n_sites <= site < self.n_sites:
                 raise KeyError(f"site index {site} out of range ({self.n_sites} sites).")
@@ -442,8 +573,10 @@ class TurnFeatures:
         ------
         KeyError
             Naming an unknown site and listing the available ones.
+        TypeError
+            For a bool (``True`` is not site 1).
         """
-        single = isinstance(sites, (str, numbers.Integral))
+        single = isinstance(sites, (str, numbers.Integral, np.bool_))
         names = [sites] if single else list(sites)
         if not names:
             raise ValueError("select at least one site.")
@@ -492,7 +625,8 @@ class TurnFeatures:
     def concatenate(parts: Sequence[TurnFeatures], *, prefixes=None) -> TurnFeatures:
         """Concatenate per-turn features along the feature axis.
 
-        All parts must describe the same conversations (equal ``offsets``). Parts
+        All parts must describe the same conversations (equal ``offsets``, and
+        equal ``speakers`` and ``task_ids`` where parts carry them). Parts
         with several sites must share their site names; a single-block part (e.g.
         position features) is appended to every site of a multi-site part, so
         ``SiteSelector`` can still choose a site for "activations + position".
@@ -562,8 +696,8 @@ class TurnFeatures:
             for j, (p, pre) in enumerate(zip(parts, prefixes)):
                 base = p.feature_names or tuple(f"x{k}" for k in range(p.n_features))
                 names.extend(f"{pre}__{n}" if pre else n for n in base)
-        speakers = next((p.speakers for p in parts if p.speakers is not None), None)
-        task_ids = next((p.task_ids for p in parts if p.task_ids is not None), None)
+        speakers = _agreeing(parts, "speakers", first)
+        task_ids = _agreeing(parts, "task_ids", first)
         return TurnFeatures(values, first.offsets, sites=out_sites, feature_names=names,
                             speakers=speakers, task_ids=task_ids)
 
@@ -610,6 +744,9 @@ class TurnFeatures:
     def save(self, path) -> None:
         """Write to a safetensors file (arrays + JSON metadata, no pickle).
 
+        The file is written atomically and carries a SHA-256 digest of its header
+        and tensors, which :meth:`load` verifies.
+
         Parameters
         ----------
         path : str or path-like
@@ -620,12 +757,26 @@ class TurnFeatures:
         write_safetensors(path, tensors, meta)
 
     @classmethod
-    def load(cls, path) -> TurnFeatures:
+    def load(cls, path, *, verify=True) -> TurnFeatures:
         """Read a file written by :meth:`save`.
+
+        The file is untrusted input. Its SHA-256 digest (over the header and every
+        tensor) is recomputed, so a flipped byte, a truncation or an edited header
+        is refused; and, because a digest is no signature (whoever edits a file can
+        recompute it), the structure is checked in full: tensor names, dtypes and
+        shapes, the sparse index arrays (column indices in range, ``indptr``
+        monotone and consistent), ``offsets`` (monotone, consistent with the rows)
+        and the lengths and types of the site, feature-name, speaker and task-id
+        lists.
 
         Parameters
         ----------
         path : str or path-like
+        verify : bool, default=True
+            Require the digest. Files written by skafa before digests existed
+            (before issue 9) have none and are refused with a message saying so;
+            pass ``verify=False`` to read such a file you trust. A digest that is
+            present is always checked, and the structure is always validated.
 
         Returns
         -------
@@ -635,38 +786,31 @@ class TurnFeatures:
         ------
         ValueError
             When the file is not a readable skafa TurnFeatures file (truncated,
-            edited, or another format).
+            edited, another format, no digest with ``verify=True``, or an
+            inconsistent structure); the message names the file and the problem.
         """
-        from safetensors import safe_open
-        from safetensors.numpy import load_file
+        from .utils._io import DIGEST_KEY, read_safetensors
 
         try:
-            with safe_open(str(path), framework="np") as f:
-                meta = f.metadata() or {}
-            tensors = load_file(str(path))
-        except Exception as exc:  # safetensors raises its own error types
+            tensors, meta = read_safetensors(path, require_digest=False)
+        except OSError as exc:  # missing or unreadable file: the same error as before
             raise ValueError(f"{path}: not a readable safetensors file ({exc}).") from exc
         if meta.get("format") != _FORMAT:
-            raise ValueError(f"{path}: not a skafa TurnFeatures file (format={meta.get('format')!r}).")
-        try:
-            shape = tuple(json.loads(meta["shape"]))
-            if json.loads(meta["sparse"]):
-                values = sp.csr_matrix(
-                    (tensors["sparse_data"], tensors["sparse_indices"], tensors["sparse_indptr"]),
-                    shape=shape,
-                )
-            else:
-                values = tensors["values"]
-            return cls(
-                values,
-                tensors["offsets"],
-                sites=json.loads(meta["sites"]),
-                feature_names=json.loads(meta["feature_names"]),
-                speakers=json.loads(meta["speakers"]),
-                task_ids=json.loads(meta["task_ids"]),
+            raise ValueError(
+                f"{path}: not a skafa TurnFeatures file (format={meta.get('format')!r})."
             )
-        except (KeyError, ValueError, TypeError) as exc:
-            raise ValueError(f"{path}: corrupt TurnFeatures file ({exc}).") from exc
+        if verify and DIGEST_KEY not in meta:
+            raise ValueError(
+                f"{path}: the file carries no {DIGEST_KEY} digest, so its content cannot "
+                "be verified (it was written by skafa before digests existed, or edited). "
+                "If you trust it, read it with TurnFeatures.load(path, verify=False) "
+                "(its structure is still checked) and save it again."
+            )
+        try:
+            values, offsets, kwargs = _contents_from_file(tensors, meta)
+            return cls(values, offsets, **kwargs)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{path}: corrupt TurnFeatures file ({exc}).") from None
 
     def equals(self, other) -> bool:
         """Compare two containers exactly.
@@ -679,17 +823,23 @@ class TurnFeatures:
         -------
         bool
             True when values, offsets, sites, feature names, speakers and task ids
-            are all equal.
+            are all equal. NaN equals NaN at the same position (so a container
+            equals its copy); explicit zeros of a sparse matrix equal absent ones.
         """
         if not isinstance(other, TurnFeatures):
             return False
         if self.is_sparse != other.is_sparse or self.values.shape != other.values.shape:
             return False
-        same_values = (
-            (self.values != other.values).nnz == 0
-            if self.is_sparse
-            else np.array_equal(self.values, other.values)
-        )
+        if self.is_sparse:
+            a, b = (sp.csr_matrix(m, copy=True) for m in (self.values, other.values))
+            for m in (a, b):
+                m.sum_duplicates()  # canonical: sorted indices, no duplicates
+                m.eliminate_zeros()
+            same_values = (np.array_equal(a.indptr, b.indptr)
+                           and np.array_equal(a.indices, b.indices)
+                           and _same_array(a.data, b.data))
+        else:
+            same_values = _same_array(self.values, other.values)
 
         def eq(a, b):
             return (a is None and b is None) or (

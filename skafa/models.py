@@ -23,6 +23,7 @@ import hashlib
 import importlib.util
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -330,6 +331,32 @@ def _normalise_device(device) -> str:
     return str(d)
 
 
+def _check_registered(name, model, dtype_name, device_name):
+    """A registered model is used as it is: refuse another dtype, warn on another device.
+
+    The dtype is part of the activation cache key, so computing in float32 under a
+    ``dtype="bfloat16"`` key would store wrong entries; the device is not.
+    """
+    params = getattr(model, "parameters", None)
+    first = next(iter(params()), None) if callable(params) else None
+    if first is None:
+        return
+    actual = str(first.dtype).replace("torch.", "")
+    if actual != dtype_name:
+        raise ValueError(
+            f"The model registered as {name!r} holds {actual} weights, but dtype="
+            f"{dtype_name!r} was asked. A registered model is used as it is: pass "
+            f"dtype={actual!r}, or register a copy converted with model.to(torch."
+            f"{dtype_name})."
+        )
+    where = str(first.device)
+    if where != device_name:
+        warnings.warn(
+            f"The model registered as {name!r} is on {where}, but device={device_name!r} "
+            f"was asked; it runs on {where}. Pass device={where!r}, or register a copy "
+            "moved with model.to(device).", UserWarning, stacklevel=3)
+
+
 def _require_gguf():
     missing = []
     for mod in ("gguf", "accelerate"):
@@ -358,8 +385,12 @@ def load_model(model, *, tokenizer=None, device="cpu", dtype="float32", gguf_fil
         GGUF files, the tokenizer embedded in the file). Ignored for registered
         models.
     device : str or torch.device, default="cpu"
+        An invalid device (``"banana"``) raises ``ValueError``. A registered model
+        stays where it is (a ``UserWarning`` says so when it is elsewhere).
     dtype : {"float32", "bfloat16", "float16", "float64"} or torch.dtype, default="float32"
-        GGUF weights are dequantised to float32 by transformers, then cast.
+        GGUF weights are dequantised to float32 by transformers, then cast. Any other
+        value (``"int8"``) raises ``ValueError``; for a registered model it must be
+        the dtype of its weights (it is part of the activation cache key).
     gguf_file : str, optional
         GGUF file name inside the folder or hub repository ``model``.
     trust_remote_code : bool, default=False
@@ -386,11 +417,13 @@ def load_model(model, *, tokenizer=None, device="cpu", dtype="float32", gguf_fil
     GGUF file name, tokenizer source, dtype, device and ``trust_remote_code``.
     Use :func:`clear_model_cache` to free memory.
     """
+    dtype_name = _normalise_dtype(dtype)  # invalid values raise, for every kind of model
+    device_name = _normalise_device(device)
     spec = resolve_model_spec(model, gguf_file=gguf_file)
     if spec.kind == "registered":
-        return _registered(spec.source)
-    dtype_name = _normalise_dtype(dtype)
-    device_name = _normalise_device(device)
+        pair = _registered(spec.source)
+        _check_registered(spec.source, pair[0], dtype_name, device_name)
+        return pair
     tok_source = None
     if tokenizer is not None:
         if not isinstance(tokenizer, (str, os.PathLike)):

@@ -54,6 +54,7 @@ from .utils._sklearn_compat import (
     _fit_context,
 )
 from .utils._validation import (
+    check_feature_names,
     check_finite_rows,
     check_steps,
     check_turn_features,
@@ -88,6 +89,10 @@ class _BaseGroupedArgmax(BaseEstimator):
     __metadata_request__fit = {"groups": metadata_routing.UNUSED}
 
     _parameter_constraints: dict = {"site": [str, Integral, None]}
+
+    #: Whether the turn model squares features (standardization, logistic loss), so
+    #: values too large to square are refused in ``fit`` with their place named.
+    _squares_features = False
 
     def _make_turn_estimator(self, M):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -150,7 +155,8 @@ class _BaseGroupedArgmax(BaseEstimator):
                 f"X has {M.shape[1]} features per turn at site {site!r}, but "
                 f"{type(self).__name__} was fitted with {self.n_features_in_}."
             )
-        check_finite_rows(X, M, site)
+        check_finite_rows(X, M, site, squared=fitting and self._squares_features)
+        check_feature_names(self, X, reset=fitting)
         return X, site, M
 
     def _raw_turn_scores(self, M):
@@ -395,6 +401,9 @@ class GroupedArgmaxClassifier(MetaEstimatorMixin, _BaseGroupedArgmax):
         block and raises if ``X`` lacks it.
     n_features_in_ : int
         Number of features per turn.
+    feature_names_in_ : ndarray of str
+        Feature names of ``X`` in ``fit``, when it has them; ``predict`` refuses
+        features whose names differ (other names, or the same in another order).
 
     See Also
     --------
@@ -488,6 +497,9 @@ class GroupedArgmaxLogisticClassifier(_BaseGroupedArgmax):
         Name of the site block used in ``fit``.
     n_features_in_ : int
         Number of features per turn.
+    feature_names_in_ : ndarray of str
+        Feature names of ``X`` in ``fit``, when it has them; ``predict`` refuses
+        features whose names differ (other names, or the same in another order).
 
     See Also
     --------
@@ -508,6 +520,8 @@ class GroupedArgmaxLogisticClassifier(_BaseGroupedArgmax):
     >>> probe.predict(TurnFeatures(values, offsets)).tolist() == y.tolist()
     True
     """
+
+    _squares_features = True
 
     _parameter_constraints: dict = {
         **_BaseGroupedArgmax._parameter_constraints,

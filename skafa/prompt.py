@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -661,12 +662,13 @@ def _render(template, conversation, tokenizer, contents, chat_template_kwargs, w
     messages, lines, tail, read_spans = template._layout(conversation, contents, read)
     rendering = template.rendering(tokenizer)
     kwargs = dict(chat_template_kwargs or {})
-    if rendering == "plain":
-        text = _plain_text(tokenizer, messages)
-    else:
+
+    def render(msgs):
+        if rendering == "plain":
+            return _plain_text(tokenizer, msgs)
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=True, **kwargs)
+            out = tokenizer.apply_chat_template(msgs, tokenize=False,
+                                                add_generation_prompt=True, **kwargs)
         except Exception as exc:  # jinja TemplateError, e.g. "System role not supported"
             hint = ""
             if "system" in str(exc).lower() and template.system_placement == "system":
@@ -674,44 +676,19 @@ def _render(template, conversation, tokenizer, contents, chat_template_kwargs, w
                         "PromptTemplate(system_placement='user').")
             raise ValueError(f"{where}: the tokenizer's chat template failed: {exc}.{hint}") \
                 from exc
-    if not isinstance(text, str):
-        raise TypeError(f"{where}: apply_chat_template returned {type(text).__name__}, "
-                        "expected text.")
-    # Locate each turn line sequentially. Start after the task line and the history
-    # header when they can be found, so that text in the system message can never be
-    # mistaken for a turn.
-    pos = 0
-    if conversation.task:
-        anchor = (f"{template.task_header} {conversation.task}" if template.task_header
-                  else conversation.task)
-        found = text.find(anchor)
-        if found >= 0:
-            pos = found + len(anchor)
-    if template.history_header:
-        found = text.find(template.history_header, pos)
-        if found >= 0:
-            pos = found + len(template.history_header)
-    spans, last_chars = [], []
-    for i, (pre, content, post) in enumerate(lines):
-        if not (pre or content):
-            raise ValueError(f"{where}: turn {i} renders to nothing before its (empty) "
-                             "content; give turn_format a prefix such as '{i} - {speaker}: '.")
-        line = pre + content + post
-        start = text.find(line, pos)
-        if start < 0:
-            speaker = conversation.turns[i].speaker
-            raise ValueError(
-                f"{where}: turn {i} (speaker {speaker!r}) was not found verbatim in the "
-                "rendered chat template output; the template must have escaped, trimmed "
-                "or rewritten its text. Check tokenizer.chat_template or adjust "
-                "PromptTemplate (e.g. end with an instruction so the last turn is not "
-                "trimmed).")
-        end = start + len(line)
-        last = start + len(pre) + len(content) - 1  # content end, else prefix end
-        spans.append((start, end))
-        last_chars.append(last)
-        pos = end
-    spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+        if not isinstance(out, str):
+            raise TypeError(f"{where}: apply_chat_template returned {type(out).__name__}, "
+                            "expected text.")
+        return out
+
+    text = render(messages)
+    # ``tail`` (from the layout) is the exact text after the last turn line of the user
+    # message: the instruction, and for read="recap"/"echo" the recap lines or the copy.
+    key = (rendering, str(getattr(tokenizer, "chat_template", None)), type(tokenizer).__name__,
+           _canonical(getattr(tokenizer, "special_tokens_map", None)),
+           _canonical(messages[:-1]), _canonical(kwargs))
+    spans, last_chars = _locate_lines(text, render, messages, lines, tail, conversation,
+                                      where, key)
     read_spans = np.asarray(read_spans, dtype=np.int64).reshape(-1, 3)
     if read in ("recap", "echo"):
         # The recap lines (or the copy) follow the last turn line at offsets known
@@ -727,6 +704,140 @@ def _render(template, conversation, tokenizer, contents, chat_template_kwargs, w
         read_spans = read_spans + anchor
     return (text, spans, np.asarray(last_chars, dtype=np.int64), read_spans[:, :2],
             read_spans[:, 2], rendering)
+
+
+#: Stands in for the user message to find where the chat template puts it.
+_USER_SENTINEL = "skafa0user0message0sentinel0d41c8"
+#: ``(head, foot)`` around the user message, by rendering inputs (see _user_slot).
+_SLOTS = {}
+
+
+def _canonical(obj):
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str)
+
+
+def _user_slot(render, messages, key, where, refresh=False):
+    """The text a rendering puts before and after the user message.
+
+    Found by rendering ``messages`` with the user message replaced by a sentinel,
+    and kept by ``key`` (everything else the rendering depends on), so that each
+    prompt is rendered once; ``refresh`` renders again (a template that writes
+    today's date changes its shell at midnight).
+    """
+    if not refresh and key in _SLOTS:
+        return _SLOTS[key]
+    shell_messages = [dict(m) for m in messages]
+    shell_messages[-1]["content"] = _USER_SENTINEL
+    shell = render(shell_messages)
+    k = shell.find(_USER_SENTINEL)
+    if k < 0 or shell.find(_USER_SENTINEL, k + 1) >= 0:
+        raise ValueError(
+            f"{where}: the chat template does not insert the user message once and "
+            "verbatim, so turn positions cannot be located. Check "
+            "tokenizer.chat_template.")
+    if len(_SLOTS) >= 256:
+        _SLOTS.clear()
+    _SLOTS[key] = slot = (shell[:k], shell[k + len(_USER_SENTINEL):])
+    return slot
+
+
+def _user_base(text, head, foot, user):
+    """Offset in ``text`` of the user message's first character, or None."""
+    if text.startswith(head) and text.endswith(foot) and len(text) >= len(head) + len(foot):
+        middle = text[len(head):len(text) - len(foot)]
+        for lead in (0, len(user) - len(user.lstrip())):  # verbatim, or trimmed
+            if (user[lead:lead + len(middle)] == middle
+                    and not user[lead + len(middle):].strip()):
+                return len(head) - lead
+    return None
+
+
+def _locate_lines(text, render, messages, lines, tail, conversation, where, key):
+    """``[start, end)`` and last character of every turn line in ``text``, from the layout.
+
+    skafa builds the user message itself, so the offset of every turn line inside it
+    is known: the turn lines end where ``tail`` (the text after the last turn line)
+    starts. Where the chat template puts the user message is found by rendering the
+    same messages with the user message replaced by a sentinel: what precedes and
+    follows the sentinel must precede and follow the user message in ``text``
+    (templates that ``trim`` the message are allowed for). The text is never
+    *searched* for a turn line, so a task or expected answer shaped like the
+    transcript (``"Conversation:\\n0 - a: x"``) cannot be taken for it.
+
+    Parameters
+    ----------
+    text : str
+        The rendered prompt.
+    render : callable
+        ``render(messages) -> str``, the rendering that produced ``text``.
+    messages : list of dict
+        The messages rendered; the last one is skafa's user message.
+    lines : list of (str, str, str)
+        ``(prefix, content, suffix)`` of every turn line, in order.
+    tail : str
+        The exact text the user message holds after the last turn line.
+    conversation : Conversation
+    where : str
+        Names the conversation in errors.
+    key : tuple
+        Everything but the user message that the rendering depends on (caches the
+        shell, see :func:`_user_slot`).
+
+    Returns
+    -------
+    spans : ndarray of int64, shape (n_turns, 2)
+    last_chars : ndarray of int64, shape (n_turns,)
+    """
+    for i, (pre, content, _) in enumerate(lines):
+        if not (pre or content):
+            raise ValueError(f"{where}: turn {i} renders to nothing before its (empty) "
+                             "content; give turn_format a prefix such as '{i} - {speaker}: '.")
+    user = messages[-1]["content"]
+    # Offsets of the turn lines inside the user message, from its layout.
+    joined = [pre + content + post for pre, content, post in lines]
+    block = "\n".join(joined)
+    first = len(user) - len(tail) - len(block)
+    if first < 0 or user[first:first + len(block)] != block or not user.endswith(tail):
+        raise RuntimeError(f"{where}: internal error: the turn lines are not where the "
+                           "prompt layout puts them.")  # pragma: no cover
+    starts_in_user = first + np.concatenate(
+        [[0], np.cumsum([len(line) + 1 for line in joined[:-1]])]).astype(np.int64)
+    # Where the rendering puts the user message.
+    head, foot = _user_slot(render, messages, key, where)
+    base = _user_base(text, head, foot, user)
+    if base is None:  # maybe a stale shell (a dated template): render it again
+        head, foot = _user_slot(render, messages, key, where, refresh=True)
+        base = _user_base(text, head, foot, user)
+
+    def not_found(i):
+        speaker = conversation.turns[i].speaker
+        return ValueError(
+            f"{where}: turn {i} (speaker {speaker!r}) was not found verbatim in the "
+            "rendered chat template output; the template must have escaped, trimmed "
+            "or rewritten its text. Check tokenizer.chat_template or adjust "
+            "PromptTemplate (e.g. end with an instruction so the last turn is not "
+            "trimmed).")
+
+    if base is None:
+        # The template changed the user message. If every turn line is still intact
+        # at its place (only later text changed), use them; else name the first
+        # turn line that changed.
+        rest = text[len(head):] if text.startswith(head) else ""
+        same = len(os.path.commonprefix([rest, user]))
+        ends = starts_in_user + np.asarray([len(line) for line in joined])
+        if rest and np.all(ends <= same):
+            base = len(head)
+        else:
+            raise not_found(int(np.argmax(ends > same)))
+    spans, last_chars = [], []
+    for i, (pre, content, post) in enumerate(lines):
+        start = base + int(starts_in_user[i])
+        end = start + len(joined[i])
+        if text[start:end] != joined[i]:
+            raise not_found(i)
+        spans.append((start, end))
+        last_chars.append(start + len(pre) + len(content) - 1)  # content end, else prefix end
+    return np.asarray(spans, dtype=np.int64).reshape(-1, 2), np.asarray(last_chars)
 
 
 def _tokenize(tokenizer, text, last_chars, where):
@@ -779,16 +890,31 @@ def _start_positions(offsets, line_starts, positions):
 
 
 def _warn_special(conversation, tokenizer, where):
+    """Warn when text of the conversation holds a chat-template special token.
+
+    Every field that reaches the prompt is checked: the task, the expected answer,
+    and each turn's speaker, role and content.
+    """
     specials = [t for t in (getattr(tokenizer, "all_special_tokens", None) or []) if t]
     if not specials:
         return
+    fields = [("the task", conversation.task),
+              ("the expected answer", conversation.expected_answer)]
     for i, turn in enumerate(conversation.turns):
-        for s in specials:
-            if s in turn.content:
-                warnings.warn(
-                    f"{where}: turn {i} contains the special token {s!r}; the tokenizer "
-                    "will treat it as a real special token.", UserWarning, stacklevel=4)
-                return
+        fields.append((f"turn {i} speaker", turn.speaker))
+        if turn.role:
+            fields.append((f"turn {i} role", turn.role))
+        fields.append((f"turn {i}", turn.content))
+    found = []
+    for label, text in fields:
+        hit = next((s for s in specials if s in text), None)
+        if hit is not None:
+            found.append(f"{label} contains the special token {hit!r}")
+    if found:
+        more = f" (and {len(found) - 3} more fields)" if len(found) > 3 else ""
+        warnings.warn(
+            f"{where}: {'; '.join(found[:3])}{more}; the tokenizer will treat it as a "
+            "real special token.", UserWarning, stacklevel=4)
 
 
 def _encode_contents(template, conversation, tokenizer, contents, removed,

@@ -254,9 +254,13 @@ def test_from_who_and_when_missing_key(key):
 
 def test_from_who_and_when_optional_keys_may_be_missing():
     record = _record()
-    del record["ground_truth"], record["question_ID"]
+    del record["ground_truth"]
     conv = Conversation.from_who_and_when(record)
-    assert conv.expected_answer == "" and conv.task_id is None
+    assert conv.expected_answer == ""
+    # question_ID is the task id (the groups of a grouped splitter): required
+    del record["question_ID"]
+    with pytest.raises(ConversationError, match="question_ID"):
+        Conversation.from_who_and_when(record)
 
 
 @pytest.mark.parametrize(

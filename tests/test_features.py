@@ -212,11 +212,12 @@ def test_global_turn_index_and_speakers_at():
     idx = X.global_turn_index(steps)
     assert idx.tolist() == [2, 3, 7, 9, 14]
     assert X.speakers_at(steps).tolist() == ["agent2", "agent3", "agent7", "agent9", "agent14"]
-    with pytest.raises(ValueError, match=r"step 1 is outside conversation 1 \(task 'task1'\)"):
+    with pytest.raises(ValueError,
+                       match=r"steps\[1\]=1 is outside conversation 1 \(task 'task1'\)"):
         X.global_turn_index([0, 1, 0, 0, 0])
-    with pytest.raises(ValueError, match="one step per conversation"):
+    with pytest.raises(ValueError, match="one decisive step per conversation"):
         X.global_turn_index([0, 0])
-    with pytest.raises(ValueError, match="outside conversation 0"):
+    with pytest.raises(ValueError, match=r"steps\[0\]=-1 is negative.*conversation 0"):
         X.global_turn_index([-1, 0, 0, 0, 0])
     with pytest.raises(ValueError, match="carries no speakers"):
         TurnFeatures(np.ones((2, 1)), [0, 2]).speakers_at([0])
@@ -335,6 +336,8 @@ def test_save_load_round_trip(tmp_path, sparse):
 def test_load_errors(tmp_path):
     from safetensors.numpy import save_file
 
+    from skafa.utils._io import write_safetensors
+
     X = _make()
     path = tmp_path / "x.safetensors"
     X.save(path)
@@ -353,8 +356,8 @@ def test_load_errors(tmp_path):
     with pytest.raises(ValueError, match="not a skafa TurnFeatures file"):
         TurnFeatures.load(foreign)
     partial = tmp_path / "partial.safetensors"
-    save_file({"values": np.zeros((3, 2))}, str(partial),
-              metadata={"format": "skafa.TurnFeatures/1", "shape": "[3, 2]", "sparse": "false"})
+    write_safetensors(partial, {"values": np.zeros((3, 2))},
+                      {"format": "skafa.TurnFeatures/1", "shape": "[3, 2]", "sparse": "false"})
     with pytest.raises(ValueError, match="corrupt TurnFeatures file"):
         TurnFeatures.load(partial)
     with pytest.raises(ValueError, match="not a readable"):

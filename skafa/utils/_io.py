@@ -24,7 +24,8 @@ import tempfile
 
 import numpy as np
 
-__all__ = ["atomic_write_bytes", "write_safetensors", "read_safetensors", "DIGEST_KEY"]
+__all__ = ["atomic_write_bytes", "write_safetensors", "read_safetensors", "json_field",
+           "DIGEST_KEY"]
 
 #: Metadata key holding the SHA-256 digest of the rest of the file.
 DIGEST_KEY = "skafa_sha256"
@@ -139,3 +140,34 @@ def read_safetensors(path, *, require_digest=True):
         raise ValueError(f"{path}: SHA-256 digest mismatch: the file was changed after it "
                          "was written (flipped bytes, edited header or truncation).")
     return tensors, dict(metadata)
+
+
+def json_field(metadata, key):
+    """Parse the JSON text held by ``metadata[key]``; any problem is a ``ValueError``.
+
+    A header is untrusted input: a missing field, invalid JSON and JSON nested too
+    deeply to parse (``"[" * 100_000``, which makes :func:`json.loads` raise
+    ``RecursionError``) all become a ``ValueError`` naming the field.
+
+    Parameters
+    ----------
+    metadata : dict of str to str
+    key : str
+
+    Returns
+    -------
+    object
+        The parsed value.
+    """
+    if key not in metadata:
+        raise ValueError(f"the header has no {key!r} field")
+    text = metadata[key]
+    if not isinstance(text, str):
+        raise ValueError(f"header field {key!r} is not text")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"header field {key!r} is nested too deeply to be valid JSON "
+                         "written by skafa") from None
+    except ValueError as exc:
+        raise ValueError(f"header field {key!r} is not valid JSON ({exc})") from None

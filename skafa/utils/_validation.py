@@ -5,7 +5,9 @@
 - :func:`check_conversations` validates a list of :class:`~skafa.Conversation`;
 - :func:`check_turn_features` validates a :class:`~skafa.TurnFeatures`;
 - :func:`check_steps` validates decisive-step labels and always raises ``ValueError``;
-- :func:`check_finite_rows` names the conversation, turn, site and feature of a NaN/inf;
+- :func:`check_finite_rows` names the conversation, turn, site and feature of a NaN/inf
+  (and, with ``squared=True``, of a value too large to square in float64);
+- :func:`check_feature_names` records feature names in ``fit`` and compares them later;
 - :func:`check_int` validates an integer argument outside ``_parameter_constraints``.
 """
 
@@ -26,6 +28,7 @@ __all__ = [
     "check_turn_features",
     "check_steps",
     "check_finite_rows",
+    "check_feature_names",
     "locate_row",
     "check_int",
     "task_ids_of",
@@ -370,7 +373,7 @@ def locate_row(X, row):
     return conv, int(row - X.offsets[conv])
 
 
-def check_finite_rows(X, M, site, *, what="feature value"):
+def check_finite_rows(X, M, site, *, what="feature value", squared=False):
     """Raise a ValueError naming the conversation/turn/site of a NaN or inf in ``M``.
 
     Parameters
@@ -381,11 +384,20 @@ def check_finite_rows(X, M, site, *, what="feature value"):
     site : str
     what : str
         What the values are, for the message.
+    squared : bool, default=False
+        Also refuse finite values so large that a sum of squares over the rows
+        overflows (``|x| > sqrt(max / n_rows) / 2``, with the float32 maximum for
+        float32 input and the float64 one otherwise), as in the
+        variance of standardization or the gradients of a logistic regression.
+        Without this check one value of ``1e300`` comes back from scikit-learn as
+        "Input X contains NaN".
     """
     if sp.issparse(M):
         data = sp.csr_matrix(M).data if M.format != "csr" else M.data
         bad = ~np.isfinite(data)
         if not bad.any():
+            if squared:
+                _check_squares(X, M, site, what)
             return
         M = sp.csr_matrix(M)
         k = int(np.flatnonzero(~np.isfinite(M.data))[0])
@@ -397,9 +409,13 @@ def check_finite_rows(X, M, site, *, what="feature value"):
         with np.errstate(over="ignore", invalid="ignore"):
             total = np.add.reduce(M, axis=None, dtype=np.float64)
         if np.isfinite(total):
+            if squared:
+                _check_squares(X, M, site, what)
             return
         bad = ~np.isfinite(M)
         if not bad.any():  # the fast path overflowed on huge but finite values
+            if squared:
+                _check_squares(X, M, site, what)
             return
         row, col = (int(v) for v in np.argwhere(bad)[0])
         value = M[row, col]
@@ -409,6 +425,110 @@ def check_finite_rows(X, M, site, *, what="feature value"):
         f"site {site!r}, feature {col}. Clean or impute the features before fitting "
         "or predicting."
     )
+
+
+def _check_squares(X, M, site, what):
+    """Raise when a value of ``M`` is too large for a sum of squares over its rows."""
+    n_rows = max(int(M.shape[0]), 1)
+    # scikit-learn keeps float32 input in float32 (StandardScaler squares in it).
+    dtype = np.dtype(np.float32) if M.dtype == np.float32 else np.dtype(np.float64)
+    limit = np.sqrt(np.finfo(dtype).max / n_rows) / 2
+    if sp.issparse(M):
+        M = sp.csr_matrix(M)
+        data = np.abs(M.data.astype(np.float64, copy=False))
+        if not data.size or data.max() <= limit:
+            return
+        k = int(np.flatnonzero(data > limit)[0])
+        row = int(np.searchsorted(M.indptr, k, side="right") - 1)
+        col, value = int(M.indices[k]), M.data[k]
+    else:
+        if M.dtype.kind not in "fc" or not M.size:
+            return
+        absolute = np.abs(M)
+        if absolute.max() <= limit:
+            return
+        row, col = (int(v) for v in np.argwhere(absolute > limit)[0])
+        value = M[row, col]
+    conv, turn = locate_row(X, row)
+    raise ValueError(
+        f"{what} too large for {dtype} standardization and logistic regression: "
+        f"{float(value):g} at {describe(X, conv)}, turn {turn}, site {site!r}, feature "
+        f"{col}. Over {n_rows} turn rows a magnitude above {limit:.3g} makes sums of "
+        "squares overflow (scikit-learn would then report NaN). Rescale or clip the "
+        "features."
+    )
+
+
+def check_feature_names(estimator, X, *, reset):
+    """Record the feature names of ``X`` in ``fit``; compare them afterwards.
+
+    The TurnFeatures counterpart of scikit-learn's feature-name check: feature
+    names are shared by every site of a :class:`~skafa.TurnFeatures`, so one list
+    is recorded, as ``feature_names_in_`` (only when ``X`` has names).
+
+    Parameters
+    ----------
+    estimator : estimator
+    X : TurnFeatures
+    reset : bool
+        True in ``fit`` (record or forget the names), False in
+        ``predict``/``transform`` (compare).
+
+    Raises
+    ------
+    ValueError
+        When both have names and they differ: names unseen at fit, names missing,
+        or the same names in another order.
+
+    Warns
+    -----
+    UserWarning
+        When only one of the fitted estimator and ``X`` has feature names.
+    """
+    import warnings
+
+    names = None if X.feature_names is None else np.asarray(X.feature_names, dtype=object)
+    cls = type(estimator).__name__
+    if reset:
+        if names is not None:
+            estimator.feature_names_in_ = names
+        elif hasattr(estimator, "feature_names_in_"):
+            del estimator.feature_names_in_
+        return
+    fitted = getattr(estimator, "feature_names_in_", None)
+    if fitted is None and names is None:
+        return
+    if fitted is None:
+        warnings.warn(f"X has feature names, but {cls} was fitted without feature names.",
+                      UserWarning, stacklevel=3)
+        return
+    if names is None:
+        warnings.warn(f"X has no feature names, but {cls} was fitted with feature names.",
+                      UserWarning, stacklevel=3)
+        return
+    if len(fitted) == len(names) and np.array_equal(fitted, names):
+        return
+    seen, now = set(fitted.tolist()), set(names.tolist())
+    parts = []
+    unseen = [n for n in names.tolist() if n not in seen]
+    missing = [n for n in fitted.tolist() if n not in now]
+    if unseen:
+        parts.append(f"feature names unseen at fit time: {_listed(unseen)}")
+    if missing:
+        parts.append(f"feature names seen at fit time, yet now missing: {_listed(missing)}")
+    if not parts:
+        k = int(np.flatnonzero(fitted != names)[0])
+        parts.append(
+            f"the feature names must be in the same order as in fit (feature {k} is "
+            f"{names[k]!r}, fit saw {fitted[k]!r})"
+        )
+    raise ValueError(f"{cls}: the feature names of X differ from those seen in fit; "
+                     + "; ".join(parts) + ".")
+
+
+def _listed(names, limit=5):
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def check_int(value, name, *, minimum, caller):
