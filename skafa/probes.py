@@ -611,20 +611,25 @@ class GroupedArgmaxLogisticClassifier(_BaseGroupedArgmax):
 # ---------------------------------------------------------------------------
 
 
-def _softmax_objective(w, Z, offsets, target, alpha):
+def _softmax_objective(w, Z, offsets, target, alpha, weight=None):
     """Mean conditional-logit loss plus ``alpha / 2 * ||w||^2``, and its gradient.
 
     ``Z`` holds the turn rows (dense or sparse), ``offsets`` the conversation
     boundaries and ``target`` the row index of each decisive turn. With
     ``p = softmax(Z @ w)`` within each conversation and ``E`` the one-hot rows of
     the decisive turns, the gradient of the mean loss is ``Z.T @ (p - E) / n``.
+    ``weight`` (one per conversation) weighs each conversation's loss.
     """
     n = offsets.size - 1
     z = np.asarray(Z @ w, dtype=np.float64).ravel()
     lse = grouped_logsumexp(z, offsets)
-    loss = (lse.sum() - z[target].sum()) / n + 0.5 * alpha * (w @ w)
+    nll = lse - z[target]
     residual = np.exp(z - np.repeat(lse, np.diff(offsets)))
     residual[target] -= 1.0
+    if weight is not None:
+        nll = nll * weight
+        residual *= np.repeat(weight, np.diff(offsets))
+    loss = nll.sum() / n + 0.5 * alpha * (w @ w)
     grad = np.asarray(Z.T @ residual, dtype=np.float64).ravel() / n + alpha * w
     return loss, grad
 
@@ -750,7 +755,7 @@ class GroupedSoftmaxClassifier(_BaseGroupedArgmax):
         self.site = site
         self.verbose = verbose
 
-    def _design(self, M, *, fitting):
+    def _design(self, M, *, fitting, row_weight=None):
         """Turn rows as float64, divided by the training standard deviations."""
         if sp.issparse(M):
             M = sp.csr_matrix(M, dtype=np.float64)
@@ -758,12 +763,13 @@ class GroupedSoftmaxClassifier(_BaseGroupedArgmax):
             M = np.asarray(M, dtype=np.float64)
         if fitting:
             self.scaler_ = (
-                StandardScaler(with_mean=False).fit(M) if self.standardize else None
+                StandardScaler(with_mean=False).fit(M, sample_weight=row_weight)
+                if self.standardize else None
             )
         return M if self.scaler_ is None else self.scaler_.transform(M)
 
     @_fit_context(prefer_skip_nested_validation=True)
-    def fit(self, X, y, groups=None):
+    def fit(self, X, y, groups=None, sample_weight=None):
         """Fit the conditional-logit model by L-BFGS.
 
         Parameters
@@ -776,6 +782,9 @@ class GroupedSoftmaxClassifier(_BaseGroupedArgmax):
         groups : array-like, default=None
             Ignored; accepted so every conversation-level estimator shares
             ``fit(X, y, groups=None)`` (groups only feed splitters).
+        sample_weight : array-like of shape (n_conversations,), default=None
+            Weight of each conversation's loss (and of its turn rows in the
+            scaler); an integer weight is the same as repeating the conversation.
 
         Returns
         -------
@@ -784,13 +793,16 @@ class GroupedSoftmaxClassifier(_BaseGroupedArgmax):
         """
         X, site, M = self._turn_matrix(X, fitting=True)
         y = check_steps(y, X)
+        if sample_weight is not None:
+            sample_weight = _check_sample_weight(sample_weight, np.empty(len(X)))
         if np.all(X.n_turns == 1):
             raise ValueError(
                 "every training conversation has a single turn, so there is no "
                 "choice between turns to learn from; provide conversations with at "
                 "least two turns."
             )
-        Z = self._design(M, fitting=True)
+        Z = self._design(M, fitting=True, row_weight=None if sample_weight is None
+                         else np.repeat(sample_weight, X.n_turns))
         target = X.global_turn_index(y)
         offsets = X.offsets
         alpha = 1.0 / (self.C * X.n_conversations)
@@ -808,7 +820,7 @@ class GroupedSoftmaxClassifier(_BaseGroupedArgmax):
         result = minimize(
             _softmax_objective,
             np.zeros(Z.shape[1], dtype=np.float64),
-            args=(Z, offsets, target, alpha),
+            args=(Z, offsets, target, alpha, sample_weight),
             method="L-BFGS-B",
             jac=True,
             callback=callback,

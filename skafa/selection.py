@@ -914,26 +914,25 @@ class SiteEnsemble(MetaEstimatorMixin, BaseEstimator):
             )
         return X.speakers_at(self.predict(X))
 
-    def score(self, X, y, sample_weight=None):
+    def score(self, X, y):
         """Step accuracy of the averaged prediction.
 
         Parameters
         ----------
         X : TurnFeatures
         y : array-like of int, shape (n_conversations,)
-        sample_weight : array-like of shape (n_conversations,), default=None
-            Conversation weights (a weighted mean of hits).
 
         Returns
         -------
         score : float
+
+        Notes
+        -----
+        Like :meth:`fit`, it takes no ``sample_weight``.
         """
         X = check_turn_features(X, self)
         y = check_steps(y, X)
-        pred = self.predict(X)
-        if sample_weight is None:
-            return step_accuracy(y, pred)
-        return float(np.average(pred == y, weights=np.asarray(sample_weight, dtype=float)))
+        return step_accuracy(y, self.predict(X))
 
     def get_metadata_routing(self):
         """Get metadata routing of this object.
@@ -954,6 +953,7 @@ class SiteEnsemble(MetaEstimatorMixin, BaseEstimator):
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         tags.target_tags.required = True
+        tags.input_tags.two_d_array = False  # X is a TurnFeatures
         tags.input_tags.sparse = get_tags(self.estimator).input_tags.sparse
         return tags
 

@@ -461,23 +461,23 @@ class TurnScoreStacker(MetaEstimatorMixin, _BaseComposition):
         Z = self._stacked(X)
         return self.final_estimator_.turn_predict_proba(Z)
 
-    def score(self, X, y, sample_weight=None):
+    def score(self, X, y):
         """Final estimator's score (step accuracy for skafa estimators).
 
         Parameters
         ----------
         X : list of Conversation or TurnFeatures
         y : array-like of int, shape (n_conversations,)
-        sample_weight : array-like of shape (n_conversations,), default=None
 
         Returns
         -------
         score : float
+
+        Notes
+        -----
+        Like :meth:`fit`, it takes no ``sample_weight``.
         """
-        Z = self._stacked(X)
-        if sample_weight is None:
-            return float(self.final_estimator_.score(Z, y))
-        return float(self.final_estimator_.score(Z, y, sample_weight=sample_weight))
+        return float(self.final_estimator_.score(self._stacked(X), y))
 
     # ---------------------------------------------------------------- routing
     def get_metadata_routing(self):
@@ -505,4 +505,5 @@ class TurnScoreStacker(MetaEstimatorMixin, _BaseComposition):
         tags = super().__sklearn_tags__()
         # Not a classifier: the label is a turn position (see skafa.probes).
         tags.target_tags.required = True
+        tags.input_tags.two_d_array = False  # conversations or TurnFeatures, not arrays
         return tags
