@@ -258,3 +258,33 @@ def test_site_selector_and_grid_search():
     assert search.best_estimator_.score(X, y) > 0.4
     scores = cross_val_score(clone(selector), X, y, groups=groups, cv=GroupKFold(3))
     assert scores.shape == (3,) and scores.mean() > 1 / 6
+
+
+@pytest.mark.parametrize("standardize", [False, True])
+def test_integer_sample_weight_equals_repeating_conversations(standardize):
+    X, y = listwise_data(30, seed=4)
+    w = np.random.default_rng(0).integers(0, 4, size=len(y))
+    weighted = GroupedSoftmaxClassifier(C=0.5, standardize=standardize, tol=1e-10).fit(
+        X, y, sample_weight=w)
+    rows = np.repeat(np.arange(len(y)), w)
+    repeated = GroupedSoftmaxClassifier(C=0.5, standardize=standardize, tol=1e-10).fit(
+        X[rows], y[rows])
+    # same penalised objective up to the 1/n scaling: same minimiser
+    np.testing.assert_allclose(weighted.coef_, repeated.coef_, rtol=1e-4, atol=1e-6)
+    unweighted = GroupedSoftmaxClassifier(C=0.5, standardize=standardize).fit(X, y)
+    assert not np.allclose(weighted.coef_, unweighted.coef_)  # the weights matter
+
+
+def test_weighted_gradient_matches_central_differences():
+    X, y = ragged_data(seed=2)
+    Z = X.turn_matrix()
+    target = X.global_turn_index(y)
+    weight = np.random.default_rng(1).uniform(0.1, 3.0, size=len(y))
+    w0 = np.random.default_rng(2).normal(size=Z.shape[1])
+    _, grad = _softmax_objective(w0, Z, X.offsets, target, 0.3, weight)
+    eps = 1e-6
+    num = np.array([
+        (_softmax_objective(w0 + eps * e, Z, X.offsets, target, 0.3, weight)[0]
+         - _softmax_objective(w0 - eps * e, Z, X.offsets, target, 0.3, weight)[0]) / (2 * eps)
+        for e in np.eye(Z.shape[1])])
+    np.testing.assert_allclose(grad, num, rtol=1e-6, atol=1e-8)
