@@ -173,7 +173,7 @@ def test_read_matches_reference(tiny, read):
     t = TurnActivationTransformer(name, read=read, sites=RESID, memory_cache=False).fit(convs)
     X = t.transform(convs)
     last = TurnActivationTransformer(name, sites=RESID, memory_cache=False).fit_transform(convs)
-    assert t.n_forward_passes_ == len(convs)
+    assert t.run_stats["n_forward_passes"] == len(convs)
     for i, conv in enumerate(convs):
         enc = t.prompt_.encode(conv, tok, read=read)
         np.testing.assert_allclose(X[i], _reference(model, enc, t.sites_, read),
@@ -342,10 +342,10 @@ def test_read_is_part_of_the_cache_key(tiny, tmp_path):
     for read in ("last", "mean", "recap", "echo"):
         t = TurnActivationTransformer(name, read=read, cache_dir=tmp_path).fit(convs)
         values[read] = t.transform(convs).values
-        assert t.n_forward_passes_ == 2, read  # nothing reused from another read
+        assert t.run_stats["n_forward_passes"] == 2, read  # nothing reused from another read
         again = clone(t).fit(convs)
         np.testing.assert_array_equal(again.transform(convs).values, values[read])
-        assert again.n_forward_passes_ == 0
+        assert again.run_stats["n_forward_passes"] == 0
     for a, va in values.items():
         for b, vb in values.items():
             if a < b:
@@ -354,12 +354,12 @@ def test_read_is_part_of_the_cache_key(tiny, tmp_path):
     other = TurnActivationTransformer(name, read="recap", cache_dir=tmp_path,
                                       prompt=PromptTemplate(recap_format="Turn {i}")).fit(convs)
     assert not np.allclose(other.transform(convs).values, values["recap"])
-    assert other.n_forward_passes_ == 2
+    assert other.run_stats["n_forward_passes"] == 2
     # ...while a "last" read ignores it and reuses its entries.
     reuse = TurnActivationTransformer(name, cache_dir=tmp_path,
                                       prompt=PromptTemplate(recap_format="Turn {i}")).fit(convs)
     np.testing.assert_array_equal(reuse.transform(convs).values, values["last"])
-    assert reuse.n_forward_passes_ == 0
+    assert reuse.run_stats["n_forward_passes"] == 0
     base = {"model_identity": "m", "model_fingerprint": {}, "dtype": "float32",
             "prompt_fingerprint": "p", "chat_template_kwargs": None, "conversation": convs[0]}
     assert activation_key(**base) == activation_key(**base, read="last")
@@ -377,7 +377,7 @@ def test_plain_and_chat_renderings_do_not_share_cache_entries(tmp_path):
         plain = TurnActivationTransformer("test-plain-cache", cache_dir=tmp_path,
                                           prompt=PromptTemplate(chat_template="plain"))
         b = plain.fit(convs).transform(convs).values
-        assert plain.rendering_ == "plain" and plain.n_forward_passes_ == 2
+        assert plain.rendering_ == "plain" and plain.run_stats["n_forward_passes"] == 2
         assert not np.allclose(a, b)
     finally:
         unregister_model("test-plain-cache")
