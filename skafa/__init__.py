@@ -56,6 +56,8 @@ _SUBMODULES = {
     "attributor", "baselines", "cache", "datasets", "estimators", "extraction",
     "features", "judge", "metrics", "models", "persistence", "pipeline", "prompt", "selection",
     "sites", "testing",
+    # not imported by ``import skafa``; loaded on first access
+    "integrations", "report", "cli",
 }
 
 __all__ = ["__version__", "Conversation", "ConversationError", "Turn", "TurnFeatures",
