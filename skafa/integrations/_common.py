@@ -25,7 +25,8 @@ class TraceConversation(NamedTuple):
     event_indices : tuple of int
         For every turn ``t``, the index in the source sequence (``trace.events``,
         the span list in start order, or the message list) of the item that
-        became turn ``t``. Strictly increasing.
+        became turn ``t``. Non-decreasing: one source item can give several
+        turns (an OpenTelemetry tool span gives its call and its result).
     """
 
     conversation: Conversation
