@@ -72,8 +72,10 @@ def _add_data(p, *, labelled=False):
     p.add_argument("--subset", default=None,
                    help="only this subset: Algorithm-Generated (alias 'algorithm') or "
                         "Hand-Crafted ('hand'); default: every subset present")
+    p.add_argument("--offset", type=int, default=0, metavar="N",
+                   help="skip the first N records (e.g. those a probe was fitted on)")
     p.add_argument("--limit", type=int, default=None, metavar="N",
-                   help="use only the first N records (quick tries)")
+                   help="use only N records (after --offset; quick tries)")
 
 
 def _add_model_options(p):
@@ -174,6 +176,7 @@ def build_parser():
                    help="cross-validated accuracy of every site the probe compared")
     p.add_argument("--top-k", type=int, default=5, help="runner-up turns listed "
                                                        "(default: %(default)s)")
+    p.add_argument("--title", default=None, help="page title (default: from the record id)")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
 
     p = sub.add_parser(
@@ -214,6 +217,12 @@ def _load_data(args, *, labelled):
     except (FileNotFoundError, ConversationError, json.JSONDecodeError, ValueError) as exc:
         raise _DataError(str(exc)) from exc
     convs = list(data.conversations)
+    if args.offset < 0:
+        raise _DataError(f"--offset must be >= 0, got {args.offset}.")
+    convs = convs[args.offset:]
+    if not convs:
+        raise _DataError(f"--offset {args.offset} skips all {len(data.conversations)} "
+                         "records.")
     if args.limit is not None:
         if args.limit < 1:
             raise _DataError(f"--limit must be >= 1, got {args.limit}.")
@@ -393,7 +402,7 @@ def _cmd_report(args):
     if args.top_k < 1:
         raise _DataError(f"--top-k must be >= 1, got {args.top_k}.")
     att = _attribute(fa, conv, args.top_k)
-    written = [att.to_html(args.out)]
+    written = [att.to_html(args.out, title=args.title)]
     if args.png:
         written.append(att.to_png(args.png))
     if args.sites_png:

@@ -117,6 +117,11 @@ def test_report_writes_html_and_pngs(files, model_dir, tmp_path, capsys):
     assert main(["report", str(model_dir), str(test), "--record", "nope", "-q"]) == EXIT_DATA
     assert "no record with that id" in capsys.readouterr().err
     assert main(["report", str(model_dir), str(test), "--index", "99", "-q"]) == EXIT_DATA
+    assert main(["attribute", str(model_dir), str(test), "--offset", "6", "-q"]) == EXIT_DATA
+    out = tmp_path / "two.json"
+    assert main(["attribute", str(model_dir), str(test), "--offset", "3", "--limit", "2", "-q",
+                 "--output", str(out)]) == EXIT_OK
+    assert [r["record_id"] for r in json.loads(out.read_text())] == ["test/3", "test/4"]
 
 
 def test_benchmark_cross_validated_and_saved(files, model_dir, tmp_path, capsys):
