@@ -388,3 +388,28 @@ def test_import_skafa_does_not_import_ag2():
             "assert not any(m == 'ag2' or m.startswith('ag2.') for m in sys.modules), "
             "sorted(m for m in sys.modules if m.startswith('ag2'))")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_example_ag2_blame_trace_layout():
+    """examples/ag2_blame.py: each Who&When turn is a (call, result) pair of trace events."""
+    import importlib.util
+    from pathlib import Path
+
+    from ag2.eval.sources import spans_to_trace
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "ag2_blame.py"
+    spec = importlib.util.spec_from_file_location("ag2_blame", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.parse_args(["--train", "3"]).train == 3
+    conv = make_conversations(1, seed=0, min_turns=4, max_turns=4)[0]
+    trace = spans_to_trace(module.record_spans(conv, "r"))
+    assert len(trace.events) == 2 * len(conv)
+    subagents = {s: s for s in conv.speakers}
+    out, indices = conversation_from_trace(
+        trace, question=conv.task, agent_name=module.MANAGER, subagents=subagents,
+        tool_calls="agent", mistake_event=2 * conv.mistake_step + 1)
+    assert out.speakers[1::2] == conv.speakers and set(out.speakers[::2]) == {module.MANAGER}
+    assert [t.content for t in out.turns[1::2]] == [t.content for t in conv.turns]
+    assert out.mistake_step == 2 * conv.mistake_step + 1
+    assert [module.history_turn(i) for i in indices] == [t // 2 for t in range(2 * len(conv))]
