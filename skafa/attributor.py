@@ -204,11 +204,9 @@ class Attribution:
         """
         import pathlib
 
-        from .report import plot_turn_scores
+        from .report import close_figure, plot_turn_scores
 
-        import matplotlib.pyplot as plt
-
-        plt.close(plot_turn_scores(self, path))
+        close_figure(plot_turn_scores(self, path))
         return pathlib.Path(path)
 
     def __repr__(self):

@@ -406,11 +406,9 @@ def _cmd_report(args):
     if args.png:
         written.append(att.to_png(args.png))
     if args.sites_png:
-        import matplotlib.pyplot as plt
+        from .report import close_figure, plot_site_scores
 
-        from .report import plot_site_scores
-
-        plt.close(plot_site_scores(fa, args.sites_png))
+        close_figure(plot_site_scores(fa, args.sites_png))
         written.append(Path(args.sites_png))
     if not args.quiet:
         print(repr(att))

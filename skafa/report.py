@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["attribution_html", "save_html", "plot_turn_scores", "plot_site_scores",
-           "score_colour"]
+           "score_colour", "close_figure"]
 
 #: Colours of the score scale, low to high (sRGB).
 _LOW = (236, 241, 248)
@@ -286,6 +286,11 @@ def _pyplot():
         raise ImportError("The PNG plots need matplotlib: pip install \"skafa[plot]\".") \
             from exc
     return plt
+
+
+def close_figure(figure) -> None:
+    """Close a figure made by the plots here (frees its memory in long runs)."""
+    _pyplot().close(figure)
 
 
 def plot_turn_scores(attribution, path=None, *, dpi=120):

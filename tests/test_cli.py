@@ -107,7 +107,7 @@ def test_report_writes_html_and_pngs(files, model_dir, tmp_path, capsys):
 
     conv = [c for c in load_who_and_when(test).conversations if c.record_id == "test/2"][0]
     att = FailureAttributor.load(model_dir).attribute(conv)
-    assert f'<section class="turn blamed' in page
+    assert '<section class="turn blamed' in page
     assert re.search(rf'class="turn blamed[^"]*" id="turn-{att.step}"', page)
     assert png.read_bytes()[:4] == b"\x89PNG" and sites.read_bytes()[:4] == b"\x89PNG"
     assert "wrote" in capsys.readouterr().out

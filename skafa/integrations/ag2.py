@@ -65,8 +65,6 @@ import asyncio
 import json
 import threading
 import warnings
-from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
@@ -142,7 +140,9 @@ def _event_turn(event, agent_name, subagents, tool_calls):
     """The Turn an event becomes, ``None`` for a non-turn, or ``NotImplemented`` if unknown."""
     if isinstance(event, _ev.ModelResponse):
         text = event.content
-        return Turn(agent_name, text, "assistant") if isinstance(text, str) and text.strip() else None
+        if isinstance(text, str) and text.strip():
+            return Turn(agent_name, text, "assistant")
+        return None
     # ToolErrorEvent subclasses ToolResultEvent: test it first.
     if isinstance(event, _ev.ToolErrorEvent):
         return Turn(f"tool:{event.name}", f"error in {event.name}: {event.error}", "tool_error")
