@@ -88,14 +88,15 @@ table {{ border-collapse: collapse; background: #fff; }}
 th, td {{ border: 1px solid #d0d7de; padding: 4px 10px; text-align: left; font-size: 14px; }}
 td.num {{ text-align: right; font-variant-numeric: tabular-nums; }}
 .task {{ background: #fff; border: 1px solid #d0d7de; border-radius: 8px; padding: 8px 16px; }}
+.task pre {{ white-space: pre-wrap; word-wrap: break-word; }}
 .turn {{ display: flex; background: #fff; border: 1px solid #d0d7de; border-radius: 6px;
         margin: 8px 0; overflow: hidden; }}
 .turn .band {{ flex: 0 0 14px; }}
 .turn .body {{ flex: 1; padding: 6px 12px; min-width: 0; }}
 .turn .head {{ font-size: 13px; color: #57606a; }}
 .turn .head b {{ color: #1b1f24; }}
-.turn pre {{ white-space: pre-wrap; word-wrap: break-word; margin: 4px 0; max-height: 22em;
-            overflow: auto; font: 13px/1.4 ui-monospace, SFMono-Regular, Menlo, monospace; }}
+.turn pre {{ white-space: pre-wrap; word-wrap: break-word; margin: 4px 0;
+            font: 13px/1.4 ui-monospace, SFMono-Regular, Menlo, monospace; }}
 .turn.blamed {{ outline: 4px solid var(--blamed); outline-offset: -1px;
                background: #fff5f3; }}
 .turn.annotated {{ border: 3px dashed var(--annotated); }}
