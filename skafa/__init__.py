@@ -59,6 +59,8 @@ _SUBMODULES = {
     "attributor", "baselines", "cache", "composition", "datasets", "dummies", "estimators",
     "extraction", "features", "featurizers", "judge", "metrics", "models", "persistence",
     "pipeline", "probes", "prompt", "selection", "sites", "stacking", "testing", "utils",
+    # not imported by ``import skafa``; loaded on first access
+    "integrations", "report", "cli",
 }
 
 __all__ = ["__version__", "Conversation", "ConversationError", "Turn", "TurnFeatures",

@@ -118,6 +118,8 @@ class Attribution:
         The conversation's labels, when it has them.
     task_id, record_id : str or None
         The conversation's identifiers.
+    conversation : Conversation or None
+        The conversation attributed (for :meth:`to_html`); not in :meth:`to_dict`.
     """
 
     step: int
@@ -131,6 +133,7 @@ class Attribution:
     true_agent: str | None = None
     task_id: str | None = None
     record_id: str | None = None
+    conversation: Conversation | None = None
 
     @property
     def n_turns(self) -> int:
@@ -158,6 +161,41 @@ class Attribution:
             "task_id": self.task_id,
             "record_id": self.record_id,
         }
+
+    def to_html(self, path=None, *, conversation=None, title=None):
+        """A self-contained HTML report (see :func:`skafa.report.attribution_html`).
+
+        Parameters
+        ----------
+        path : str or path-like, default=None
+            File to write; ``None`` returns the page as a string.
+        conversation : Conversation, default=None
+            For the transcript; defaults to :attr:`conversation`.
+        title : str, default=None
+
+        Returns
+        -------
+        page_or_path : str or pathlib.Path
+        """
+        from .report import attribution_html, save_html
+
+        if path is None:
+            return attribution_html(self, conversation, title=title)
+        return save_html(self, path, conversation, title=title)
+
+    def to_png(self, path):
+        """Save a bar chart of the per-turn scores (see :func:`skafa.report.plot_turn_scores`).
+
+        Returns
+        -------
+        path : pathlib.Path
+        """
+        import pathlib
+
+        from .report import close_figure, plot_turn_scores
+
+        close_figure(plot_turn_scores(self, path))
+        return pathlib.Path(path)
 
     def __repr__(self):
         head = (f"Attribution(step={self.step}, agent={self.agent!r}, "
@@ -626,6 +664,7 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
             true_agent=conversation.mistake_agent,
             task_id=conversation.task_id,
             record_id=conversation.record_id,
+            conversation=conversation,
         )
 
     # ------------------------------------------------------------ persistence

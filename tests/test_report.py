@@ -1,0 +1,198 @@
+"""Tests for skafa.report: the HTML attribution report (checked in headless Chromium) and PNGs."""
+
+import html
+import json
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from sklearn.model_selection import GroupKFold
+
+from skafa import Conversation, FailureAttributor, Turn
+from skafa.models import register_model, unregister_model
+from skafa.report import (
+    BLAMED_COLOUR,
+    attribution_html,
+    plot_site_scores,
+    plot_turn_scores,
+    score_colour,
+)
+from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
+
+MODEL = "report-tiny"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    register_model(MODEL, make_tiny_llama(), make_tiny_tokenizer(), overwrite=True)
+    fa = FailureAttributor(MODEL, sites=["resid_pre.1", "resid_final"], cv=GroupKFold(3),
+                           random_state=0).fit(make_conversations(24, seed=5))
+    yield fa
+    unregister_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def attribution(fitted):
+    """An attribution whose blamed turn differs from the annotated one, with hostile text."""
+    for conv in make_conversations(20, seed=9, min_turns=4, max_turns=7):
+        att = fitted.attribute(conv)
+        if att.step != conv.mistake_step:
+            break
+    turns = list(conv.turns)
+    turns[0] = Turn(turns[0].speaker, turns[0].content + ' <script>alert("x")</script> & <b>',
+                    "assistant")
+    conv = Conversation(turns, task=conv.task + " <i>", expected_answer=conv.expected_answer,
+                        task_id=conv.task_id, mistake_step=conv.mistake_step,
+                        mistake_agent=conv.mistake_agent, record_id=conv.record_id)
+    return fitted.attribute(conv)
+
+
+def _rgb(hex_colour):
+    return tuple(int(hex_colour[i:i + 2], 16) for i in (1, 3, 5))
+
+
+# ----------------------------------------------------------------------- HTML
+def test_page_structure(attribution):
+    page = attribution.to_html()
+    conv = attribution.conversation
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    sections = re.findall(r'<section class="([^"]*)" id="turn-(\d+)"', page)
+    assert [int(t) for _, t in sections] == list(range(len(conv)))
+    classes = {int(t): c.split() for c, t in sections}
+    assert [t for t, c in classes.items() if "blamed" in c] == [attribution.step]
+    assert [t for t, c in classes.items() if "annotated" in c] == [conv.mistake_step]
+    # runner-ups table lists the top_k turns in order
+    table = page.split('id="runner-ups"')[1].split("</table>")[0]
+    assert re.findall(r'href="#turn-(\d+)"', table) == [str(r.step) for r in attribution.top_k]
+    assert 'id="annotated-summary"' in page and "missed by" in page
+    # every turn's text is there, escaped; nothing is executable or fetched
+    assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt; &amp; &lt;b&gt;" in page
+    assert "<script" not in page and "<i>" not in page
+    assert "Content-Security-Policy" in page and "default-src 'none'" in page
+    assert not re.search(r'(?:src|href)="(?!#)', page)
+    for turn in conv.turns[1:]:
+        assert html.escape(turn.content) in page
+    # scores carried on the elements
+    scores = [float(s) for s in re.findall(r'data-score="([^"]+)"', page)]
+    np.testing.assert_allclose(scores, attribution.turn_scores, rtol=1e-5)
+
+
+def test_to_html_writes_a_file_and_checks_the_conversation(attribution, tmp_path):
+    path = attribution.to_html(tmp_path / "sub" / "r.html", title="My run")
+    assert path.read_text(encoding="utf-8") == attribution.to_html(title="My run")
+    assert "<title>My run</title>" in path.read_text(encoding="utf-8")
+    other = make_conversations(1, seed=1, min_turns=1, max_turns=1)[0]
+    with pytest.raises(ValueError, match="the conversation has 1 turns but the attribution"):
+        attribution.to_html(conversation=other)
+
+
+def test_page_without_conversation_or_labels(attribution):
+    import dataclasses
+
+    bare = dataclasses.replace(attribution, conversation=None, true_step=None, true_agent=None)
+    page = attribution_html(bare)
+    assert "text not available" in page and "not known" in page
+    assert 'class="turn blamed"' in page and "annotated" not in page.split("<h2>Transcript")[1]
+
+
+def test_score_colour_scale():
+    assert score_colour(0) == "#ecf1f8" and score_colour(1) == "#a50f15"
+    assert score_colour(2) == score_colour(1) and score_colour(-1) == score_colour(0)
+
+
+# ------------------------------------------------------------------------ PNG
+def test_pngs(attribution, fitted, tmp_path):
+    path = attribution.to_png(tmp_path / "turns.png")
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    fig = plot_turn_scores(attribution)
+    ax = fig.axes[0]
+    assert len(ax.patches) == attribution.n_turns
+    heights = [p.get_height() for p in ax.patches]
+    np.testing.assert_allclose(heights, attribution.turn_scores)
+    blamed = ax.patches[attribution.step]
+    assert blamed.get_linewidth() > ax.patches[(attribution.step + 1) % len(heights)] \
+        .get_linewidth()
+    fig2 = plot_site_scores(fitted, tmp_path / "sites.png")
+    assert (tmp_path / "sites.png").read_bytes()[:8] == PNG_MAGIC
+    labels = [t.get_text() for t in fig2.axes[0].get_xticklabels()]
+    assert labels == ["resid_pre.1", "resid_final"]
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+# ------------------------------------------------------------------- Chromium
+def _chromium():
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        found = shutil.which(name)
+        if found:
+            return found
+    pytest.skip("Chromium is not installed (apt-get install chromium): the report is not "
+                "checked in a real browser here; .ci/run installs it.")
+
+
+def _run_chromium(binary, tmp_path, *args):
+    cmd = [binary, "--headless", "--no-sandbox", "--disable-gpu",
+           "--disable-background-networking", "--disable-component-update", "--no-first-run",
+           "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'profile'}", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+
+
+_PROBE = """<script>
+const rows = [...document.querySelectorAll('section.turn')].map(s => {
+  const cs = getComputedStyle(s), r = s.getBoundingClientRect();
+  return {id: s.id, outlineStyle: cs.outlineStyle, outlineColor: cs.outlineColor,
+          outlineWidth: cs.outlineWidth, background: cs.backgroundColor,
+          band: getComputedStyle(s.querySelector('.band')).backgroundColor,
+          badges: [...s.querySelectorAll('.badge')].map(b => b.textContent),
+          width: r.width, height: r.height};
+});
+const pre = document.createElement('pre'); pre.id = 'probe';
+pre.textContent = JSON.stringify(rows); document.body.appendChild(pre);
+</script></body>"""
+
+
+def test_blamed_turn_is_highlighted_in_headless_chromium(attribution, tmp_path):
+    binary = _chromium()
+    page = attribution.to_html()
+    # A copy with a measuring script: the report itself has none, and its CSP forbids one.
+    probe_page = re.sub(r'<meta http-equiv="Content-Security-Policy"[^>]*>', "", page)
+    probe_page = probe_page.replace("</body>", _PROBE)
+    probe_file = tmp_path / "probe.html"
+    probe_file.write_text(probe_page, encoding="utf-8")
+    dom = _run_chromium(binary, tmp_path, "--dump-dom", probe_file.as_uri()).stdout
+    match = re.search(r'<pre id="probe">(.*?)</pre>', dom, re.S)
+    assert match, "Chromium did not run the measuring script"
+    rows = json.loads(html.unescape(match.group(1)))
+    assert [r["id"] for r in rows] == [f"turn-{t}" for t in range(attribution.n_turns)]
+    blamed_rgb = "rgb({}, {}, {})".format(*_rgb(BLAMED_COLOUR))
+    for t, row in enumerate(rows):
+        assert row["width"] > 100 and row["height"] > 10, row  # laid out, visible
+        if t == attribution.step:
+            assert row["outlineStyle"] == "solid" and row["outlineWidth"] == "4px"
+            assert row["outlineColor"] == blamed_rgb
+            assert "blamed" in row["badges"]
+        else:
+            assert row["outlineStyle"] == "none" and "blamed" not in row["badges"]
+        if t == attribution.true_step:
+            assert "annotated" in row["badges"]
+    # the band of the highest-scoring turn (the blamed one) is the darkest colour
+    top = int(np.argmax(attribution.turn_scores))
+    assert top == attribution.step
+    assert rows[top]["band"] == "rgb({}, {}, {})".format(*_rgb(score_colour(1.0)))
+
+    # The real page (with its CSP) renders, and the highlight colour is on screen.
+    real = tmp_path / "report.html"
+    real.write_text(page, encoding="utf-8")
+    shot = tmp_path / "shot.png"
+    _run_chromium(binary, tmp_path, f"--screenshot={shot}", "--window-size=1200,4000",
+                  "--hide-scrollbars", real.as_uri())
+    import matplotlib.image
+
+    pixels = (matplotlib.image.imread(shot)[..., :3] * 255).round().astype(int)
+    target = np.array(_rgb(BLAMED_COLOUR))
+    near = np.abs(pixels - target).max(axis=-1) <= 6
+    assert near.sum() > 500, "the blamed highlight colour is not on the rendered page"
