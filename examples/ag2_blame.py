@@ -44,7 +44,14 @@ from pathlib import Path
 import numpy as np
 from sklearn.model_selection import GroupKFold, GroupShuffleSplit
 
-from skafa import FailureAttributor, PromptTemplate, load_who_and_when
+from skafa import (
+    FailureAttributor,
+    GroupedArgmaxLogisticClassifier,
+    PromptTemplate,
+    SiteSelector,
+    TurnActivationTransformer,
+    load_who_and_when,
+)
 
 try:
     from ag2.eval import DirectoryTraceSource, Suite, evaluate_traces
@@ -151,10 +158,13 @@ def main(argv=None):
     # ---- fit
     t = time.perf_counter()
     fa = FailureAttributor(
-        args.model, sites=[s.strip() for s in args.sites.split(",") if s.strip()],
-        cv=GroupKFold(3),
-        prompt=PromptTemplate(shorten="middle_first", max_prompt_tokens=args.max_prompt_tokens),
-        cache_dir=args.cache_dir or None, random_state=args.seed, verbose=1)
+        TurnActivationTransformer(
+            args.model, sites=[s.strip() for s in args.sites.split(",") if s.strip()],
+            prompt=PromptTemplate(shorten="middle_first",
+                                  max_prompt_tokens=args.max_prompt_tokens),
+            cache_dir=args.cache_dir or None, verbose=1),
+        SiteSelector(GroupedArgmaxLogisticClassifier(random_state=args.seed),
+                     cv=GroupKFold(3)))
     fa.fit(train_convs)
     print(f"fitted on {len(train_convs)} records in {time.perf_counter() - t:.0f} s: site "
           f"{fa.best_site_} (inner CV step accuracy {fa.best_score_:.2f})")

@@ -273,7 +273,10 @@ def _make_attributor(args, *, verbose):
     from sklearn.model_selection import GroupKFold
 
     from .attributor import FailureAttributor
+    from .extraction import TurnActivationTransformer
+    from .probes import GroupedArgmaxLogisticClassifier
     from .prompt import PromptTemplate
+    from .selection import SiteSelector
 
     kwargs = {"shorten": args.shorten}
     if args.max_prompt_tokens is not None:
@@ -287,9 +290,11 @@ def _make_attributor(args, *, verbose):
     if args.cv < 2:
         raise _DataError(f"--cv must be >= 2, got {args.cv}.")
     return FailureAttributor(
-        args.model, sites=_sites(args.sites, args.model, args.device), read=args.read, C=args.C,
-        cv=GroupKFold(args.cv), prompt=prompt, cache_dir=args.cache_dir, device=args.device,
-        random_state=args.seed, verbose=verbose)
+        TurnActivationTransformer(args.model, sites=_sites(args.sites, args.model, args.device),
+                                  read=args.read, prompt=prompt, cache_dir=args.cache_dir,
+                                  device=args.device, verbose=verbose),
+        SiteSelector(GroupedArgmaxLogisticClassifier(C=args.C, random_state=args.seed),
+                     cv=GroupKFold(args.cv), verbose=max(0, int(verbose) - 1)))
 
 
 def _load_attributor(model_dir):

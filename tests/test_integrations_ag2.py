@@ -29,7 +29,15 @@ from ag2.eval.sources import SpanData  # noqa: E402
 from ag2.eval.sources.trace_source import save_trace  # noqa: E402
 from ag2.extensions import mi4afa  # noqa: E402
 
-from skafa import Conversation, ConversationError, FailureAttributor, Turn  # noqa: E402
+from skafa import (  # noqa: E402
+    Conversation,
+    ConversationError,
+    FailureAttributor,
+    GroupedArgmaxLogisticClassifier,
+    SiteSelector,
+    Turn,
+    TurnActivationTransformer,
+)
 from skafa.integrations.ag2 import (  # noqa: E402
     conversation_from_trace,
     failure_attribution_scorer,
@@ -46,8 +54,9 @@ MODEL = "ag2-tiny"
 @pytest.fixture(scope="module")
 def attributor():
     register_model(MODEL, make_tiny_llama(), make_tiny_tokenizer(), overwrite=True)
-    fa = FailureAttributor(MODEL, sites=["resid_pre.1", "resid_final"], cv=GroupKFold(3),
-                           random_state=0)
+    fa = FailureAttributor(
+        TurnActivationTransformer(MODEL, sites=["resid_pre.1", "resid_final"]),
+        SiteSelector(GroupedArgmaxLogisticClassifier(random_state=0), cv=GroupKFold(3)))
     fa.fit(make_conversations(24, seed=3))
     yield fa
     unregister_model(MODEL)

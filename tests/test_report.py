@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 from sklearn.model_selection import GroupKFold
 
-from skafa import Conversation, FailureAttributor, Turn
+from skafa import (
+    Conversation,
+    FailureAttributor,
+    GroupedArgmaxLogisticClassifier,
+    SiteSelector,
+    Turn,
+    TurnActivationTransformer,
+)
 from skafa.models import register_model, unregister_model
 from skafa.report import (
     BLAMED_COLOUR,
@@ -28,8 +35,10 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def fitted():
     register_model(MODEL, make_tiny_llama(), make_tiny_tokenizer(), overwrite=True)
-    fa = FailureAttributor(MODEL, sites=["resid_pre.1", "resid_final"], cv=GroupKFold(3),
-                           random_state=0).fit(make_conversations(24, seed=5))
+    fa = FailureAttributor(
+        TurnActivationTransformer(MODEL, sites=["resid_pre.1", "resid_final"]),
+        SiteSelector(GroupedArgmaxLogisticClassifier(random_state=0), cv=GroupKFold(3)),
+    ).fit(make_conversations(24, seed=5))
     yield fa
     unregister_model(MODEL)
 
