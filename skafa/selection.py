@@ -33,13 +33,14 @@ from sklearn.utils.parallel import Parallel, delayed
 from sklearn.utils.validation import check_is_fitted
 
 from .composition import final_step_call
-from .metrics import SCORERS, step_accuracy
+from .metrics import SCORERS
 from .persistence import PersistenceMixin
 from .utils._grouped import grouped_argmax, grouped_center, grouped_softmax
 from .utils._sklearn_compat import (
     HasMethods,
     Interval,
     StrOptions,
+    _check_sample_weight,
     _fit_context,
     _routing_enabled,
     _safe_indexing,
@@ -914,25 +915,28 @@ class SiteEnsemble(MetaEstimatorMixin, BaseEstimator):
             )
         return X.speakers_at(self.predict(X))
 
-    def score(self, X, y):
+    def score(self, X, y, sample_weight=None):
         """Step accuracy of the averaged prediction.
 
         Parameters
         ----------
         X : TurnFeatures
         y : array-like of int, shape (n_conversations,)
+        sample_weight : array-like of shape (n_conversations,), default=None
+            Conversation weights (a weighted mean of hits); ``fit`` passes its
+            ``sample_weight`` on to every member.
 
         Returns
         -------
         score : float
-
-        Notes
-        -----
-        Like :meth:`fit`, it takes no ``sample_weight``.
         """
         X = check_turn_features(X, self)
         y = check_steps(y, X)
-        return step_accuracy(y, self.predict(X))
+        hits = self.predict(X) == y
+        if sample_weight is None:
+            return float(np.mean(hits))
+        sample_weight = _check_sample_weight(sample_weight, np.empty(len(X)))
+        return float(np.average(hits, weights=sample_weight))
 
     def get_metadata_routing(self):
         """Get metadata routing of this object.

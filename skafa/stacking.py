@@ -477,6 +477,7 @@ class TurnScoreStacker(MetaEstimatorMixin, _BaseComposition):
         -----
         Like :meth:`fit`, it takes no ``sample_weight``.
         """
+        check_is_fitted(self)
         return float(self.final_estimator_.score(self._stacked(X), y))
 
     # ---------------------------------------------------------------- routing
