@@ -333,6 +333,18 @@ class ActivationCache:
         self.stats["misses"] += 1
         return None
 
+    def contains(self, key, sites, *, n_turns, hidden_size):
+        """Whether :meth:`get` would hit, without counting it in :attr:`stats`."""
+        sites = tuple(sites)
+        entries = []
+        if self.memory is not None:
+            entries.append(self.memory.get_entry(key))
+        if self.directory is not None and not any(
+                e is not None and _select(e[0], e[1], sites) is not None for e in entries):
+            entries.append(self._peek_disk(key, n_turns, hidden_size))
+        return any(e is not None and e[1].shape[0] == n_turns and e[1].shape[2] == hidden_size
+                   and _select(e[0], e[1], sites) is not None for e in entries)
+
     def _read_disk(self, key, *, n_turns, hidden_size):
         path = self.path(key)
         if path is None or not os.path.exists(path):

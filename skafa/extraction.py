@@ -349,7 +349,6 @@ def _extract(model, input_ids, positions, sites, *, starts=None, batch_size=1,
     n_passes = 0
     while queue:
         batch = queue.pop()
-        n_passes += 1
         width = max(lengths[i] for i in batch)
         padded = any(lengths[i] != width for i in batch)
         ids = np.full((len(batch), width), int(pad_token_id), dtype=np.int64)
@@ -405,6 +404,7 @@ def _extract(model, input_ids, positions, sites, *, starts=None, batch_size=1,
             half = len(batch) // 2
             queue.extend([batch[half:], batch[:half]])
             continue
+        n_passes += 1
         out = out.cpu().numpy()  # to the host after every batch
         start = 0
         for i, n in zip(batch, counts):
@@ -925,6 +925,68 @@ class TurnActivationTransformer(TransformerMixin, BaseEstimator):
         speakers = [s for c in X for s in c.speakers]
         return TurnFeatures(values, offsets, sites=sites, speakers=speakers,
                             task_ids=[c.task_id for c in X])
+
+    def estimate_cost(self, X, *, calibrate=True):
+        """What :meth:`transform` would do on ``X``, and how long it would take.
+
+        Nothing is extracted and no fitted attribute changes. The time is a
+        projection: :func:`skafa.cost.forward_flops` of every prompt that misses
+        the cache, divided by the rate of one timed 512-token pass on this
+        model and device (:func:`skafa.cost.measure_throughput`).
+
+        Parameters
+        ----------
+        X : list of Conversation
+        calibrate : bool, default=True
+            Time the calibration pass (a few seconds on a CPU); ``False`` leaves
+            the rate and the ETA as ``None``.
+
+        Returns
+        -------
+        dict
+            ``n_conversations``, ``n_cached``, ``n_to_extract``,
+            ``n_tokens_to_extract``, ``flops_to_extract``, ``tokens_per_s`` and
+            ``flops_per_s`` (calibration), ``eta_s``, ``workers`` (joblib's count for
+            ``n_jobs``; the ETA divides by it) and ``summary`` (one line to print).
+        """
+        from .cost import forward_flops, measure_throughput
+
+        check_is_fitted(self, "sites_")
+        X = _check_conversations(X)
+        self._ensure_loaded()
+        from .prompt import template_uses_date
+
+        kwargs = self.chat_template_kwargs or {}
+        date = (_today() if template_uses_date(self._tokenizer) and "date_string" not in kwargs
+                else None)
+        todo, seen = [], set()
+        for i, conv in enumerate(X):
+            key = self._key(conv, date)
+            if key in seen or self._cache.contains(key, self.sites_, n_turns=len(conv),
+                                                   hidden_size=self.hidden_size_):
+                continue
+            seen.add(key)
+            todo.append(i)
+        n_tokens = [int(self.prompt_.encode(X[i], self._tokenizer,
+                                            chat_template_kwargs=self.chat_template_kwargs,
+                                            index=i).n_tokens) for i in todo]
+        flops = float(np.sum(forward_flops(self._model, n_tokens))) if todo else 0.0
+        workers = max(1, _n_workers(self.n_jobs))
+        rate = measure_throughput(self._model) if calibrate and todo else None
+        eta = None if rate is None else flops / rate["flops_per_s"] / workers
+        summary = (f"{len(todo)} of {len(X)} conversations to extract "
+                   f"({len(X) - len(todo)} cached), {sum(n_tokens):,} prompt tokens, "
+                   f"{flops / 1e12:.2f} TFLOP")
+        if rate is not None:
+            summary += (f"; calibration {rate['tokens_per_s']:.0f} tokens/s at "
+                        f"{rate['n_tokens']} tokens on {self.device}, {workers} worker(s): "
+                        f"ETA {eta / 60:.1f} min")
+        return {"n_conversations": len(X), "n_cached": len(X) - len(todo),
+                "n_to_extract": len(todo), "n_tokens_to_extract": int(sum(n_tokens)),
+                "flops_to_extract": flops,
+                "tokens_per_s": None if rate is None else rate["tokens_per_s"],
+                "flops_per_s": None if rate is None else rate["flops_per_s"],
+                "eta_s": eta, "workers": workers, "summary": summary}
 
     def _compute(self, X, todo, keys, values, offsets):
         from .prompt import check_fits
