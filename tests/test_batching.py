@@ -165,3 +165,44 @@ def test_estimate_cost_before_extracting(model_dir, tmp_path):
     assert "3 of 5 conversations to extract" in est["summary"]
     t.transform(convs)
     assert t.estimate_cost(convs, calibrate=False)["n_to_extract"] == 0
+
+
+def test_quickstart_prints_a_plan_and_resumes_after_an_interrupt(model_dir, tmp_path,
+                                                                 monkeypatch, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    from test_attributor import _write_who_and_when
+
+    data = _write_who_and_when(tmp_path / "wnw", make_conversations(20, seed=8))
+    path = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
+    spec = importlib.util.spec_from_file_location("skafa_quickstart_resume", path)
+    quickstart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quickstart)
+    argv = ["--data", str(data), "--model", model_dir, "--cache-dir", str(tmp_path / "cache"),
+            "--sites", "stride:2", "--n-resamples", "50"]
+    put = ActivationCache.put
+    calls = []
+
+    def put_then_interrupt(self, *args, **kwargs):
+        put(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ActivationCache, "put", put_then_interrupt)
+    with pytest.raises(SystemExit) as stop:
+        quickstart.main(argv)
+    assert stop.value.code == 130
+    text = capsys.readouterr()
+    assert "extraction plan: all 7 sites of 20 conversations" in text.out
+    assert "20 of 20 conversations to extract (0 cached)" in text.out and "ETA" in text.out
+    assert "interrupted: 3 of 20 conversations are cached" in text.out
+    assert "skafa: extracting activations" in text.err  # the per-conversation progress bar
+    monkeypatch.setattr(ActivationCache, "put", put)
+    shared_memory_cache().clear()
+    out = quickstart.main(argv)
+    text = capsys.readouterr().out
+    assert "17 of 20 conversations to extract (3 cached)" in text
+    assert "17 forward passes" in text and "3 disk hits" in text
+    assert out["predictions"]["probe (skafa)"].shape == (20,)
