@@ -84,7 +84,8 @@ def parse_args(argv=None):
                         "comma-separated list such as resid_pre.9,resid_final")
     p.add_argument("--limit", type=int, default=None,
                    help="use only the first N records (smoke runs)")
-    p.add_argument("--batch-size", type=int, default=1, help="conversations per forward pass")
+    p.add_argument("--batch-size", type=lambda v: v if v == "auto" else int(v), default=1,
+                   help="conversations per forward pass, or 'auto' (from free device memory)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", help="compute dtype, e.g. bfloat16 on a GPU")
     p.add_argument("--n-resamples", type=int, default=2000, help="bootstrap resamples")

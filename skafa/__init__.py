@@ -53,7 +53,7 @@ _LAZY = {
 }
 
 _SUBMODULES = {
-    "attributor", "baselines", "cache", "datasets", "estimators", "extraction",
+    "attributor", "baselines", "cache", "cost", "datasets", "estimators", "extraction",
     "features", "judge", "metrics", "models", "persistence", "pipeline", "prompt", "selection",
     "sites", "testing",
 }

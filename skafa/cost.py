@@ -5,14 +5,16 @@ head). Its floating-point operations are
 
 .. math::
 
-    F(n) = 2 \\, n \\, P_\\text{layers} + 4 \\, L \\, n^2 \\, d_\\text{attn}
+    F(n) = 2 \\, n \\, P_\\text{layers} + 2 \\, L \\, n^2 \\, d_\\text{attn}
 
 where :math:`P_\\text{layers}` is the number of weights inside the ``L`` decoder
 layers (each is used in one multiply-add per token; roughly
 ``L x (4 d^2 + 3 d i)`` for a model of width ``d`` and MLP width ``i``, less with
 grouped-query attention) and :math:`d_\\text{attn}` is the width of the attention
-heads (``n_heads x head_dim``): the ``n x n`` scores and the weighted sum of the
-values. Reading sites adds copies of a few rows, nothing that scales with ``n``.
+heads (``n_heads x head_dim``): the causal half of the ``n x n`` scores and of the
+weighted sum of the values (``2 n^2 d`` each for the full matrices; fused causal
+kernels skip the masked half, eager attention does not and costs up to twice this
+term). Reading sites adds copies of a few rows, nothing that scales with ``n``.
 
 So the cost is *tokens x layers x width* (times width again for the weights), plus
 a term in ``n^2`` that matters once prompts reach a few thousand tokens. A rate in
@@ -80,7 +82,7 @@ def forward_flops(model, n_tokens, *, n_layers=None) -> float:
     per_layer = layer_parameters(model) / total
     d_attn = _attention_width(model)
     n = np.asarray(n_tokens, dtype=np.float64)
-    flops = run * (2.0 * n * per_layer + 4.0 * n * n * d_attn)
+    flops = run * (2.0 * n * per_layer + 2.0 * n * n * d_attn)
     return float(flops) if flops.ndim == 0 else flops
 
 
