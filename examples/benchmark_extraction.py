@@ -219,7 +219,7 @@ class Bare:
 class NNsightPeer:
     """nnsight 0.8: trace the base decoder, save the rows of every site."""
 
-    label = "nnsight 0.8.1 `NNsight(model.model).trace`, `.save()` of the turn rows"
+    label = "nnsight `NNsight(model.model).trace`, `.save()` of the turn rows"
     reads = "same modules as skafa (`layers[l].input`, `post_attention_layernorm.output`, `norm.output`)"
 
     def __init__(self, model, tokenizer, sites):
@@ -249,7 +249,7 @@ class NNsightPeer:
 class TransformerLensPeer:
     """TransformerLens 4.3: TransformerBridge around a copy of the HF model."""
 
-    label = ("TransformerLens 4.3.0 `TransformerBridge.run_with_cache(names_filter=...)`, "
+    label = ("TransformerLens `TransformerBridge.run_with_cache(names_filter=...)`, "
              "rows gathered after")
     reads = ("`blocks.l.hook_resid_pre`, `blocks.l.ln2.hook_out`, `ln_final.hook_out` (same "
              "points; the bridge forces eager attention and runs the LM head)")
@@ -287,7 +287,7 @@ class TransformerLensPeer:
 class Mi4afaPeer:
     """ag2 1.2.1 mi4afa: ActivationExtractor.extract_encoded on skafa's token ids."""
 
-    label = "mi4afa (ag2 1.2.1) `ActivationExtractor.extract_encoded`"
+    label = "mi4afa (ag2) `ActivationExtractor.extract_encoded`"
     reads = ("`output_hidden_states` for `resid_pre`/`resid_final`, a pre-hook on `mlp` for "
              "`mlp_in` (same points)")
 
@@ -443,6 +443,8 @@ def run_peers(args):
                 times[m][i].append(time.perf_counter() - s)
                 if rep == 0:
                     outs[m][i] = value
+            print(f"  repeat {rep + 1} record {i + 1}/{len(encs)} ({n_tokens[i]} tokens): "
+                  + ", ".join(f"{m} {times[m][i][-1]:.1f}s" for m in names), flush=True)
         print(f"repeat {rep + 1}/{args.repeats}: " + ", ".join(
             f"{m} {sum(min(x) for x in times[m]):.1f}s" for m in names), flush=True)
     # Same values? Every peer against skafa, on every record (outputs of the first repeat).
