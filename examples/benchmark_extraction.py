@@ -19,10 +19,35 @@ and measures, in one run, interleaving the methods record by record and repeatin
 
 Results are written as a markdown table (default ``docs/extraction-benchmark.md``).
 
+Two more modes:
+
+``--peers``
+    skafa next to the other ways of reading the same sites, on the same token ids
+    and positions, interleaved record by record in one process (same threads):
+    a bare decoder forward, skafa's ``extract_activations``, **nnsight**
+    (``NNsight(model.model).trace``, ``.input`` / ``.output`` ``.save()``),
+    **TransformerLens** (``TransformerBridge.boot_transformers(hf_model=...)``,
+    ``run_with_cache(names_filter=...)``) and **mi4afa** (ag2's
+    ``ag2.extensions.mi4afa.ActivationExtractor.extract_encoded``). Every peer's
+    activations are compared with skafa's; peak extra memory is measured per
+    method in a fresh process (CPU: resident set; CUDA: allocator peak).
+    Needs ``pip install "torch==2.13.0" "skafa[bench]"``; a missing peer is skipped
+    and named.
+``--device-run``
+    The GPU path: ``TurnActivationTransformer(device=..., dtype=..., batch_size=...)``
+    against a bare forward in the same dtype on the same padded batches:
+    tokens/s, batch sizes, peak memory, and the largest relative error of every
+    site against float32 on the first records.
+
 Usage::
 
     python examples/benchmark_extraction.py [--data ../shared/data/who_and_when]
         [--n 20] [--repeats 3] [--output docs/extraction-benchmark.md]
+    OMP_NUM_THREADS=2 python examples/benchmark_extraction.py --peers --n 4 --repeats 2 \
+        --threads 2 --output peers.md
+    python examples/benchmark_extraction.py --device-run --device cuda --dtype bfloat16 \
+        --model /path/qwen2.5-coder-0.5b-instruct.gguf --batch-size auto --n 40 \
+        --output gpu.md
 
 This is a script, not a test: expect tens of minutes on a 2-core machine.
 """
@@ -149,6 +174,462 @@ def measure_memory(method, record_file, data_dir):
     return (res["peak_kib"] - res["baseline_kib"]) / 1024, res["n_tokens"]
 
 
+# --------------------------------------------------------------------------- peers
+def site_names(n_layers):
+    from skafa.sites import all_sites
+
+    return all_sites(n_layers)
+
+
+def _split(site):
+    kind, _, layer = site.partition(".")
+    return kind, (int(layer) if layer else None)
+
+
+class Skafa:
+    """skafa's building block on token ids: ``extract_activations``."""
+
+    label = "skafa `extract_activations`"
+    reads = "pre-hook on layer `l` (`resid_pre`), `post_attention_layernorm` output (`mlp_in`), final norm output (`resid_final`)"
+
+    def __init__(self, model, tokenizer, sites):
+        self.model, self.sites = model, sites
+
+    def __call__(self, ids, pos):
+        from skafa.extraction import extract_activations
+
+        return extract_activations(self.model, [ids[0].cpu().numpy()], [pos.cpu().numpy()],
+                                   self.sites)[0]
+
+
+class Bare:
+    label = "bare decoder forward, no hooks (`model.model(input_ids)`)"
+    reads = "nothing"
+
+    def __init__(self, model, tokenizer, sites):
+        self.decoder = model.model
+
+    def __call__(self, ids, pos):
+        import torch
+
+        with torch.inference_mode():
+            self.decoder(input_ids=ids, use_cache=False)
+
+
+class NNsightPeer:
+    """nnsight 0.8: trace the base decoder, save the rows of every site."""
+
+    label = "nnsight `NNsight(model.model).trace`, `.save()` of the turn rows"
+    reads = "same modules as skafa (`layers[l].input`, `post_attention_layernorm.output`, `norm.output`)"
+
+    def __init__(self, model, tokenizer, sites):
+        from nnsight import NNsight
+
+        self.nn = NNsight(model.model)
+        self.sites = sites
+
+    def __call__(self, ids, pos):
+        import numpy as np
+        import torch
+
+        saved = []
+        with torch.inference_mode(), self.nn.trace(ids, use_cache=False):
+            for site in self.sites:  # nnsight wants the modules in execution order
+                kind, layer = _split(site)
+                if kind == "resid_pre":
+                    value = self.nn.layers[layer].input
+                elif kind == "mlp_in":
+                    value = self.nn.layers[layer].post_attention_layernorm.output
+                else:
+                    value = self.nn.norm.output
+                saved.append(value[0, pos].save())
+        return np.stack([v.float().cpu().numpy() for v in saved], axis=1)
+
+
+class TransformerLensPeer:
+    """TransformerLens 4.3: TransformerBridge around a copy of the HF model."""
+
+    label = ("TransformerLens `TransformerBridge.run_with_cache(names_filter=...)`, "
+             "rows gathered after")
+    reads = ("`blocks.l.hook_resid_pre`, `blocks.l.ln2.hook_out`, `ln_final.hook_out` (same "
+             "points; the bridge forces eager attention and runs the LM head)")
+
+    def __init__(self, model, tokenizer, sites):
+        import copy
+
+        from transformer_lens.model_bridge import TransformerBridge
+
+        # The bridge replaces submodules of the model it wraps: give it its own copy.
+        self.bridge = TransformerBridge.boot_transformers(
+            getattr(model.config, "_name_or_path", "model") or "model",
+            hf_model=copy.deepcopy(model), tokenizer=tokenizer)
+        names = []
+        for site in sites:
+            kind, layer = _split(site)
+            names.append({"resid_pre": f"blocks.{layer}.hook_resid_pre",
+                          "mlp_in": f"blocks.{layer}.ln2.hook_out"}.get(kind,
+                                                                         "ln_final.hook_out"))
+        self.names = names
+        wanted = set(names)
+        self.filter = lambda name: name in wanted
+
+    def __call__(self, ids, pos):
+        import numpy as np
+        import torch
+
+        with torch.inference_mode():
+            _, cache = self.bridge.run_with_cache(ids, names_filter=self.filter,
+                                                  return_type=None)
+            rows = [cache[n][0].index_select(0, pos).float().cpu().numpy() for n in self.names]
+        return np.stack(rows, axis=1)
+
+
+class Mi4afaPeer:
+    """ag2 1.2.1 mi4afa: ActivationExtractor.extract_encoded on skafa's token ids."""
+
+    label = "mi4afa (ag2) `ActivationExtractor.extract_encoded`"
+    reads = ("`output_hidden_states` for `resid_pre`/`resid_final`, a pre-hook on `mlp` for "
+             "`mlp_in` (same points)")
+
+    def __init__(self, model, tokenizer, sites):
+        from ag2.extensions.mi4afa import ActivationExtractor, ActivationSite
+
+        self.extractor = ActivationExtractor(model, tokenizer)
+        n = self.extractor.num_layers
+        self.sites = tuple(ActivationSite(n if layer is None else layer, kind)
+                           for kind, layer in map(_split, sites))
+
+    def __call__(self, ids, pos):
+        import numpy as np
+        from ag2.extensions.mi4afa import Conversation, Turn
+        from ag2.extensions.mi4afa.prompt import PromptEncoding
+
+        positions = tuple(int(p) for p in pos.cpu())
+        conv = Conversation(question="-", ground_truth="-",
+                            history=tuple(Turn(name="agent", content="-") for _ in positions))
+        enc = PromptEncoding(input_ids=tuple(int(i) for i in ids[0].cpu()),
+                             turn_positions=positions)
+        values = self.extractor.extract_encoded(conv, enc, sites=self.sites).values
+        return np.ascontiguousarray(values.float().numpy().transpose(1, 0, 2))
+
+
+PEERS = {"bare": Bare, "skafa": Skafa, "nnsight": NNsightPeer,
+         "transformer_lens": TransformerLensPeer, "mi4afa": Mi4afaPeer}
+PEER_PACKAGES = {"nnsight": "nnsight", "transformer_lens": "transformer_lens",
+                 "mi4afa": "ag2.extensions.mi4afa"}
+
+
+def _available_peers():
+    import importlib
+
+    found, missing = [], {}
+    for name in PEERS:
+        try:
+            if name in PEER_PACKAGES:
+                module = importlib.import_module(PEER_PACKAGES[name])
+                version = getattr(module, "__version__", None)
+                if name == "mi4afa":
+                    version = importlib.import_module("ag2").__version__
+                found.append((name, version))
+            else:
+                found.append((name, None))
+        except Exception as exc:  # noqa: BLE001 - report and skip
+            missing[name] = f"{type(exc).__name__}: {exc}"
+    return found, missing
+
+
+def _sync(device):
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peer_memory_child(args):
+    """Fresh process: load, build one method, reset the peak, run the longest record once."""
+    import torch
+
+    from skafa.models import load_model
+    from skafa.prompt import PromptTemplate
+
+    model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
+    conv = _record(args.record)
+    enc = PromptTemplate().encode(conv, tok)
+    ids = torch.as_tensor(enc.input_ids, device=args.device)[None]
+    pos = torch.as_tensor(enc.turn_positions, device=args.device)
+    method = PEERS[args.memory_child](model, tok, site_names(model.config.num_hidden_layers))
+    method(ids[:, :8], torch.tensor([7], device=args.device))  # warm up lazy state
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    baseline = _rss_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    method(ids, pos)
+    if cuda:
+        torch.cuda.synchronize()
+        extra = (torch.cuda.max_memory_allocated() - base) / 2**20
+    else:
+        extra = (_rss_kib("VmHWM") - baseline) / 1024
+    print(json.dumps({"method": args.memory_child, "extra_mib": extra,
+                      "n_tokens": int(enc.n_tokens)}))
+
+
+def _record(path):
+    from skafa.conversation import Conversation
+
+    path = Path(path)
+    return Conversation.from_who_and_when(json.loads(path.read_text()),
+                                          record_id=f"{path.parent.name}/{path.stem}")
+
+
+def _relative_error(got, ref):
+    import numpy as np
+
+    err = np.linalg.norm(got - ref, axis=-1) / np.maximum(np.linalg.norm(ref, axis=-1), 1e-30)
+    return err.max(axis=0)  # per site
+
+
+def run_peers(args):
+    import numpy as np
+    import torch
+
+    from skafa.models import load_model
+    from skafa.prompt import PromptTemplate
+
+    started = datetime.datetime.now()
+    load0 = os.getloadavg()
+    t0 = time.perf_counter()
+    model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
+    load_s = time.perf_counter() - t0
+    n_layers = model.config.num_hidden_layers
+    sites = site_names(n_layers)
+    prompt = PromptTemplate()
+    max_tokens = args.max_tokens or model.config.max_position_embeddings
+    records, skipped = load_records(args.data, args.n, max_tokens, tok, prompt)
+    encs = [e for _, e in records]
+    ids = [torch.as_tensor(e.input_ids, device=args.device)[None] for e in encs]
+    pos = [torch.as_tensor(e.turn_positions, device=args.device) for e in encs]
+    n_tokens = [int(e.n_tokens) for e in encs]
+    found, missing = _available_peers()
+    methods, setup_s, failed = {}, {}, {}
+    for name, _ in found:
+        s = time.perf_counter()
+        try:
+            methods[name] = PEERS[name](model, tok, sites)
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot wrap the model
+            failed[name] = f"{type(exc).__name__}: {exc}"
+            continue
+        setup_s[name] = time.perf_counter() - s
+    versions = dict(found)
+    names = list(methods)
+    print(f"{len(encs)} records, {sum(n_tokens)} tokens; methods {names}; "
+          f"missing {missing}; failed {failed}", flush=True)
+
+    for name in names:  # warm up lazy state on a short prefix
+        methods[name](ids[0][:, :8], torch.tensor([7], device=args.device))
+    times = {m: [[] for _ in encs] for m in names}
+    outs = {m: [None] * len(encs) for m in names}
+    for rep in range(args.repeats):
+        for i in range(len(encs)):
+            k = (rep + i) % len(names)
+            for m in names[k:] + names[:k]:
+                _sync(args.device)
+                s = time.perf_counter()
+                value = methods[m](ids[i], pos[i])
+                _sync(args.device)
+                times[m][i].append(time.perf_counter() - s)
+                if rep == 0:
+                    outs[m][i] = value
+            print(f"  repeat {rep + 1} record {i + 1}/{len(encs)} ({n_tokens[i]} tokens): "
+                  + ", ".join(f"{m} {times[m][i][-1]:.1f}s" for m in names), flush=True)
+        print(f"repeat {rep + 1}/{args.repeats}: " + ", ".join(
+            f"{m} {sum(min(x) for x in times[m]):.1f}s" for m in names), flush=True)
+    # Same values? Every peer against skafa, on every record (outputs of the first repeat).
+    errors = {}
+    for name in names:
+        if name in ("bare", "skafa"):
+            continue
+        errors[name] = np.max([_relative_error(outs[name][i], outs["skafa"][i])
+                               for i in range(len(encs))], axis=0)
+    del outs
+    best = {m: [min(x) for x in times[m]] for m in names}
+    total = {m: sum(v) for m, v in best.items()}
+    ratio = {m: statistics.median(a / b for a, b in zip(best[m], best["bare"])) for m in names}
+
+    # Peak extra memory, one fresh process per method, on the longest record.
+    longest = int(np.argmax(n_tokens))
+    record_file = Path(args.data) / f"{records[longest][0].record_id}.json"
+    mem = {}
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    for m in names:
+        cmd = [sys.executable, __file__, "--peers", "--_memory-child", m, "--_record",
+               str(record_file), "--model", str(args.model), "--device", args.device,
+               "--dtype", args.dtype, "--threads", str(torch.get_num_threads())]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
+        mem[m] = json.loads(lines[-1])["extra_mib"] if out.returncode == 0 and lines else None
+        print(f"memory {m}: {mem[m]}", flush=True)
+
+    load1 = os.getloadavg()
+    elapsed = time.perf_counter() - t0
+    cmd = "python examples/benchmark_extraction.py " + " ".join(
+        a for a in sys.argv[1:] if not a.startswith("--_"))
+    unit = "allocator peak (`torch.cuda.max_memory_allocated`)" if args.device.startswith(
+        "cuda") else "VmHWM minus VmRSS before the pass"
+    lines = [
+        f"- Command: `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '?')} "
+        f"{cmd.strip()}` (repository root); {started:%Y-%m-%d %H:%M}, {elapsed / 60:.1f} min",
+        f"- Machine: {platform.platform()}, os.cpu_count()={os.cpu_count()}, torch "
+        f"{torch.__version__} ({torch.get_num_threads()} threads), device {args.device}, "
+        f"dtype {args.dtype}; load average at start {load0[0]:.1f}, at end {load1[0]:.1f} "
+        "(shared machine: the methods are interleaved, so ratios are fairer than absolute "
+        "times)",
+        f"- Model: {args.model} ({n_layers} layers, loaded in {load_s:.0f} s), attention "
+        f"`{model.config._attn_implementation}`; all {len(sites)} sites at every turn",
+        f"- Data: the first {len(encs)} Algorithm-Generated records (numeric order) whose "
+        f"prompt fits {max_tokens} tokens: {sum(len(c) for c, _ in records)} turns, "
+        f"{sum(n_tokens)} tokens ({min(n_tokens)}..{max(n_tokens)}); skipped: "
+        f"{', '.join(f'{r} ({n})' for r, n in skipped) or 'none'}",
+        f"- Timing: {args.repeats} repeats, methods interleaved per record in rotating "
+        "order, fastest repeat per record summed; every method gets skafa's token ids and "
+        "turn positions (no prompt rendering is timed)",
+        f"- Memory: peak extra on the longest record ({n_tokens[longest]} tokens), fresh "
+        f"process per method, {unit}",
+        "",
+        "| method | reads | time (s) | vs bare (total) | vs bare (median per record) | "
+        "tokens/s | peak extra memory (MiB) | max relative error vs skafa |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for m in names:
+        cls = PEERS[m]
+        err = ("—" if m == "bare" else "0 (reference)" if m == "skafa"
+               else f"{errors[m].max():.1e}")
+        mm = "failed" if mem[m] is None else f"{mem[m]:.0f}"
+        version = f" ({versions[m]})" if versions.get(m) else ""
+        lines.append(f"| {cls.label}{version} | {cls.reads} | {total[m]:.1f} | "
+                     f"{total[m] / total['bare']:.3f} | {ratio[m]:.3f} | "
+                     f"{sum(n_tokens) / total[m]:.0f} | {mm} | {err} |")
+    lines.append("")
+    for m, e in errors.items():
+        worst = int(np.argmax(e))
+        lines.append(f"- {m}: largest relative error (L2 of a turn vector) {e.max():.1e} at "
+                     f"`{sites[worst]}`; median over sites {np.median(e):.1e}.")
+    for m, why in {**missing, **failed}.items():
+        lines.append(f"- {m}: not run ({why}).")
+    text = "\n".join(lines) + "\n"
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(text)
+    print(text)
+
+
+# -------------------------------------------------------------------------- device
+def run_device(args):
+    """Batched extraction on a device against a bare forward on the same batches."""
+    import numpy as np
+    import torch
+
+    from skafa.extraction import TurnActivationTransformer, _auto_batches, _batches
+    from skafa.models import load_model
+    from skafa.prompt import PromptTemplate
+    from skafa.sites import decoder_layout
+
+    started = datetime.datetime.now()
+    cuda = torch.device(args.device).type == "cuda"
+    t0 = time.perf_counter()
+    model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
+    load_s = time.perf_counter() - t0
+    layout = decoder_layout(model)
+    prompt = PromptTemplate()
+    max_tokens = args.max_tokens or model.config.max_position_embeddings
+    records, skipped = load_records(args.data, args.n, max_tokens, tok, prompt)
+    convs = [c for c, _ in records]
+    encs = [e for _, e in records]
+    lengths = [int(e.n_tokens) for e in encs]
+    batch_size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
+    batches = (_auto_batches(lengths, layout, layout.embedding.weight.device)
+               if batch_size == "auto" else _batches(lengths, batch_size))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+
+    def bare():
+        with torch.inference_mode():
+            for batch in batches:
+                width = max(lengths[i] for i in batch)
+                ids = torch.full((len(batch), width), pad, dtype=torch.long)
+                mask = torch.zeros((len(batch), width), dtype=torch.long)
+                for b, i in enumerate(batch):
+                    ids[b, :lengths[i]] = torch.as_tensor(encs[i].input_ids)
+                    mask[b, :lengths[i]] = 1
+                layout.decoder(input_ids=ids.to(args.device), attention_mask=mask.to(args.device),
+                               use_cache=False)
+
+    def skafa_run():
+        t = TurnActivationTransformer(args.model, device=args.device, dtype=args.dtype,
+                                      batch_size=batch_size, memory_cache=False).fit(convs)
+        return t, t.transform(convs)
+
+    results = {"bare": [], "skafa": []}
+    peaks = {}
+    for rep in range(args.repeats):
+        for name in (("bare", "skafa") if rep % 2 == 0 else ("skafa", "bare")):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            s = time.perf_counter()
+            out = bare() if name == "bare" else skafa_run()
+            _sync(args.device)
+            results[name].append(time.perf_counter() - s)
+            if cuda:
+                peaks[name] = max(peaks.get(name, 0),
+                                  (torch.cuda.max_memory_allocated() - base) / 2**20)
+            if name == "skafa":
+                extractor, X = out
+        print(f"repeat {rep + 1}: bare {results['bare'][-1]:.2f}s, "
+              f"skafa {results['skafa'][-1]:.2f}s", flush=True)
+    tokens = sum(lengths)
+    bare_s, skafa_s = min(results["bare"]), min(results["skafa"])
+
+    # Against float32 on the first records (CPU float32 when the device is not the CPU).
+    k = min(len(convs), 5)
+    ref = TurnActivationTransformer(args.model, dtype="float32", memory_cache=False,
+                                    batch_size=1).fit(convs[:k]).transform(convs[:k])
+    got = X.values[: ref.values.shape[0]]
+    err = _relative_error(got, ref.values)
+    sizes = [len(b) for b in batches]
+    lines = [
+        f"- Command: `python examples/benchmark_extraction.py "
+        f"{' '.join(a for a in sys.argv[1:] if not a.startswith('--_'))}`; "
+        f"{started:%Y-%m-%d %H:%M}",
+        f"- Machine: {platform.platform()}, torch {torch.__version__}, device {args.device}"
+        + (f" ({torch.cuda.get_device_name()})" if cuda else "")
+        + f", dtype {args.dtype}, attention `{model.config._attn_implementation}`",
+        f"- Model: {args.model}, {model.config.num_hidden_layers} layers x "
+        f"{model.config.hidden_size}, loaded in {load_s:.0f} s",
+        f"- Data: {len(convs)} records, {tokens} tokens ({min(lengths)}..{max(lengths)}); "
+        f"batches: {len(batches)} (sizes {min(sizes)}..{max(sizes)}, batch_size={batch_size!r})",
+        "",
+        "| method | time (s) | tokens/s | vs bare | peak extra memory (MiB) |",
+        "|---|---:|---:|---:|---:|",
+        f"| bare forward, same batches and dtype | {bare_s:.2f} | {tokens / bare_s:.0f} | 1.000 "
+        f"| {peaks.get('bare', float('nan')):.0f} |",
+        f"| skafa `TurnActivationTransformer` (fit + transform, all sites, incl. rendering) | "
+        f"{skafa_s:.2f} | {tokens / skafa_s:.0f} | {skafa_s / bare_s:.3f} | "
+        f"{peaks.get('skafa', float('nan')):.0f} |",
+        "",
+        f"{args.dtype} vs float32 on the first {k} records: largest relative error of a turn "
+        f"vector {err.max():.2e} (at `{extractor.sites_[int(np.argmax(err))]}`), median over "
+        f"sites {np.median(err):.2e}.",
+        "",
+    ]
+    text = "\n".join(lines)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(text)
+    print(text)
+
+
 # ---------------------------------------------------------------------------- main
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -161,6 +642,16 @@ def main():
                         help="torch threads (default: torch's default); on a machine shared "
                              "with other jobs, 1 thread avoids OpenMP oversubscription")
     parser.add_argument("--output", default=str(REPO / "docs" / "extraction-benchmark.md"))
+    parser.add_argument("--peers", action="store_true",
+                        help="skafa vs bare forward, nnsight, TransformerLens, mi4afa")
+    parser.add_argument("--device-run", action="store_true",
+                        help="batched GPU path (--device, --dtype, --batch-size) vs bare forward")
+    parser.add_argument("--model", default="smollm2",
+                        help="--peers/--device-run: model name or path (skafa.models)")
+    parser.add_argument("--device", default="cpu", help="--peers/--device-run: torch device")
+    parser.add_argument("--dtype", default="float32", help="--peers/--device-run: dtype")
+    parser.add_argument("--batch-size", default="auto",
+                        help="--device-run: an int or 'auto' (default)")
     parser.add_argument("--_memory-child", dest="memory_child", default=None,
                         help=argparse.SUPPRESS)
     parser.add_argument("--_record", dest="record", default=None, help=argparse.SUPPRESS)
@@ -170,8 +661,14 @@ def main():
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.memory_child and args.peers:
+        return _peer_memory_child(args)
     if args.memory_child:
         return _memory_child(args.memory_child, args.record, args.data)
+    if args.peers:
+        return run_peers(args)
+    if args.device_run:
+        return run_device(args)
 
     from skafa.extraction import TurnActivationTransformer, extract_activations
     from skafa.sites import all_sites

@@ -14,6 +14,12 @@ Usage (from the repository root)::
     python examples/benchmark_who_and_when.py --model /path/qwen2.5-coder-0.5b-instruct.gguf \\
         --tag qwen-coder-0.5b --subset Algorithm-Generated
     python examples/benchmark_who_and_when.py --smoke        # tiny random model, seconds
+    python examples/benchmark_who_and_when.py --smoke --scheduler local:2   # fits on Dask
+
+With ``--scheduler`` (a Dask scheduler address, or ``local:N`` for a
+``distributed.LocalCluster`` of N single-threaded worker processes) every fit of
+the nested CV (``SiteSelector``, ``GridSearchCV``) and the extraction run through
+joblib's Dask backend; the numbers are the same as a serial run's.
 
 Results go to ``--out`` (default ``docs/results``): ``<tag>_<subset>.json``,
 ``<tag>_<subset>.md`` (tables) and ``<tag>_<subset>_sites.png`` (per-site curve).
@@ -24,6 +30,7 @@ forward pass; the PromptedJudge's scores are cached next to them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -723,7 +730,12 @@ def main(argv=None):
                    help="turn vector: last token of the turn, mean over the turn's line, "
                         "the turn's recap line after the transcript, or the turn in a "
                         "second copy of the transcript")
-    p.add_argument("--n-jobs", type=int, default=1)
+    p.add_argument("--n-jobs", type=int, default=None,
+                   help="joblib n_jobs of the fits and the extraction (default 1; -1 with "
+                        "--scheduler)")
+    p.add_argument("--scheduler", default=None,
+                   help="run fits and extraction on Dask: a scheduler address "
+                        "(tcp://host:8786) or local:N for a LocalCluster of N processes")
     p.add_argument("--n-resamples", type=int, default=2000)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--no-judge", action="store_true", help="skip the PromptedJudge baseline")
@@ -742,6 +754,34 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true",
                    help="tiny random model + synthetic conversations (seconds; for CI)")
     args = p.parse_args(argv)
+    if args.n_jobs is None:
+        args.n_jobs = -1 if args.scheduler else 1
+    with dask_backend(args.scheduler):
+        return run(args, argv)
+
+
+@contextlib.contextmanager
+def dask_backend(scheduler):
+    """joblib's Dask backend on ``scheduler`` (address or ``local:N``); no-op for None."""
+    if not scheduler:
+        yield
+        return
+    import joblib
+    from distributed import Client, LocalCluster
+
+    with contextlib.ExitStack() as stack:
+        if scheduler.startswith("local:"):
+            cluster = stack.enter_context(LocalCluster(
+                n_workers=int(scheduler.split(":", 1)[1]), threads_per_worker=1,
+                processes=True, dashboard_address=None))
+            scheduler = cluster.scheduler_address
+        client = stack.enter_context(Client(scheduler))
+        print(f"dask: {client}", flush=True)
+        stack.enter_context(joblib.parallel_config(backend="dask"))
+        yield
+
+
+def run(args, argv):
     t_all = time.perf_counter()
     timer = Timer()
 
@@ -793,8 +833,10 @@ def main(argv=None):
 
     # ---- extraction (all sites, one pass per conversation, disk cache)
     t = time.perf_counter()
+    # A registered model (--smoke) exists only in this process: extract here.
     acts = TurnActivationTransformer(model=args.model, read=args.read, prompt=template,
                                      dtype=args.dtype, cache_dir=args.cache_dir,
+                                     n_jobs=None if args.smoke else args.n_jobs,
                                      verbose=1).fit(convs)
     A = acts.transform(convs)
     timer.add("extraction", time.perf_counter() - t)

@@ -17,6 +17,12 @@ What it does, end to end:
 5. fits :class:`skafa.FailureAttributor` on a training split and explains its
    attribution of one held-out conversation.
 
+Before extracting it prints what it will extract and an ETA (a cost model
+calibrated by one timed pass, :meth:`TurnActivationTransformer.estimate_cost`),
+then a progress bar per conversation. Every finished conversation is in the disk
+cache at once, so an interrupted run (Ctrl-C) resumes where it stopped when the
+same command is run again.
+
 Run it with ``examples/run_main_job.sh`` (sets up the environment) or directly::
 
     python examples/quickstart.py --limit 20          # smoke run
@@ -78,8 +84,10 @@ def parse_args(argv=None):
                         "comma-separated list such as resid_pre.9,resid_final")
     p.add_argument("--limit", type=int, default=None,
                    help="use only the first N records (smoke runs)")
-    p.add_argument("--batch-size", type=int, default=1, help="conversations per forward pass")
+    p.add_argument("--batch-size", type=lambda v: v if v == "auto" else int(v), default=1,
+                   help="conversations per forward pass, or 'auto' (from free device memory)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", help="compute dtype, e.g. bfloat16 on a GPU")
     p.add_argument("--n-resamples", type=int, default=2000, help="bootstrap resamples")
     p.add_argument("--seed", type=int, default=0, help="seed of splits and bootstrap")
     return p.parse_args(argv)
@@ -161,10 +169,23 @@ def main(argv=None):
     # cache them; the probe's site search then compares a subset.
     t = time.perf_counter()
     extractor = TurnActivationTransformer(
-        args.model, sites=None, prompt=template, device=args.device,
+        args.model, sites=None, prompt=template, device=args.device, dtype=args.dtype,
         cache_dir=args.cache_dir or None, batch_size=args.batch_size, verbose=1,
-    )
-    X_all = extractor.fit(convs).transform(convs)
+    ).fit(convs)
+    estimate = extractor.estimate_cost(convs)
+    print(f"extraction plan: all {len(extractor.sites_)} sites of {len(convs)} "
+          f"conversations, one forward pass each; {estimate['summary']}.")
+    if estimate["n_to_extract"] and args.cache_dir:
+        print(f"  every finished conversation is cached in {args.cache_dir} at once: "
+              "interrupt (Ctrl-C) and run the same command again to resume.", flush=True)
+    try:
+        X_all = extractor.transform(convs)
+    except KeyboardInterrupt:
+        left = extractor.estimate_cost(convs, calibrate=False)
+        print(f"\ninterrupted: {left['n_cached']} of {len(convs)} conversations are cached"
+              + (f" in {args.cache_dir}; run the same command again to resume."
+                 if args.cache_dir else " in memory only (no --cache-dir): a rerun starts over."))
+        raise SystemExit(130) from None
     times["extraction"] = time.perf_counter() - t
     stats = extractor.run_stats
     print(f"extraction: {X_all.n_turns_total} turns x {X_all.n_sites} sites x "

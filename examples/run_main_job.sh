@@ -36,4 +36,5 @@ fi
 
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 echo "[run_main_job] $(date -u +%FT%TZ) python $(python -c 'import sys; print(sys.version.split()[0])'), torch $(python -c 'import torch; print(torch.__version__)'), OMP_NUM_THREADS=$OMP_NUM_THREADS"
+echo "[run_main_job] quickstart: load Who&When, extract every site once (ETA printed before it starts; cached, so Ctrl-C and rerun resumes), cross-validate the probe, attribute one held-out run"
 exec python examples/quickstart.py "$@"

@@ -335,6 +335,18 @@ class ActivationCache:
         self.stats["misses"] += 1
         return None
 
+    def contains(self, key, sites, *, n_turns, hidden_size):
+        """Whether :meth:`get` would hit, without counting it in :attr:`stats`."""
+        sites = tuple(sites)
+        entries = []
+        if self.memory is not None:
+            entries.append(self.memory.get_entry(key))
+        if self.directory is not None and not any(
+                e is not None and _select(e[0], e[1], sites) is not None for e in entries):
+            entries.append(self._peek_disk(key, n_turns, hidden_size))
+        return any(e is not None and e[1].shape[0] == n_turns and e[1].shape[2] == hidden_size
+                   and _select(e[0], e[1], sites) is not None for e in entries)
+
     def _read_disk(self, key, *, n_turns, hidden_size):
         path = self.path(key)
         if path is None or not os.path.exists(path):
@@ -352,7 +364,7 @@ class ActivationCache:
             return None
 
     # ------------------------------------------------------------------ write
-    def put(self, key, sites, values):
+    def put(self, key, sites, values, *, disk=True):
         """Store activations of ``key`` at ``sites``.
 
         Sites already cached for ``key`` and not in ``sites`` are kept (merged).
@@ -362,6 +374,9 @@ class ActivationCache:
         key : str
         sites : sequence of str
         values : array of shape (n_turns, len(sites), hidden_size)
+        disk : bool, default=True
+            Also write the disk layer. ``False`` updates the memory layer only
+            (used when another process, e.g. a joblib worker, wrote the file).
         """
         sites = tuple(sites)
         values = np.asarray(values, dtype=np.float32)
@@ -373,7 +388,8 @@ class ActivationCache:
         n_turns, _, hidden = values.shape
         # Keep sites cached earlier for this key that were not recomputed now.
         entries = []
-        if self.directory is not None:
+        disk = disk and self.directory is not None
+        if disk:
             entries.append(self._peek_disk(key, n_turns, hidden))
         if self.memory is not None:
             entries.append(self.memory.get_entry(key))
@@ -382,7 +398,7 @@ class ActivationCache:
         merged_sites, merged = _union(entries + [(sites, values)])
         if self.memory is not None:
             self._put_memory(key, merged_sites, merged)
-        if self.directory is not None:
+        if disk:
             try:
                 _write_entry(self.path(key), key, merged_sites, merged)
             except OSError as exc:  # a full or read-only disk must not stop extraction

@@ -190,6 +190,105 @@ def _batches(lengths, batch_size):
     return [order[k:k + batch_size] for k in range(0, len(order), batch_size)]
 
 
+class _SequenceTooLarge(MemoryError):
+    """One sequence alone does not fit the device memory (``index`` says which)."""
+
+    def __init__(self, index, message):
+        super().__init__(message)
+        self.index = index
+
+
+def _free_memory(device):
+    """Bytes free for activations on ``device``: CUDA free memory, else MemAvailable."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def _activation_bytes(layout):
+    """``(per_token, per_token_squared)`` bytes a forward pass holds at its peak.
+
+    A deliberately generous estimate of the live tensors inside one decoder layer
+    (inference mode frees the previous layer's): residual stream, normed input,
+    q/k/v, attention output and the MLP's gate/up/product (``6 d + 4 i`` values
+    per token, in the compute dtype), plus the float32 gather buffer; and per
+    token *pair* the attention mask, and with eager attention the float32
+    scores and probabilities of every head.
+    """
+    decoder = layout.decoder
+    config = getattr(decoder, "config", None)
+    weight = layout.embedding.weight
+    d = int(weight.shape[-1])
+    inter = int(getattr(config, "intermediate_size", None) or 4 * d)
+    heads = int(getattr(config, "num_attention_heads", None) or 1)
+    size = weight.element_size()
+    per_token = size * (6 * d + 4 * inter) + 4 * d
+    attn = getattr(config, "_attn_implementation", "eager") or "eager"
+    per_pair = size + (8 * heads if attn == "eager" else 0)
+    return per_token, per_pair
+
+
+def _auto_batches(lengths, layout, device, *, fraction=0.8):
+    """Length-bucketed batches that fit ``fraction`` of the free memory of ``device``.
+
+    Batches are filled in decreasing length; a batch of ``b`` sequences padded to
+    ``w`` tokens is estimated to need ``b * (w * per_token + w**2 * per_pair)``
+    bytes (:func:`_activation_bytes`).
+
+    Raises
+    ------
+    _SequenceTooLarge
+        When one sequence alone is estimated not to fit.
+    """
+    per_token, per_pair = _activation_bytes(layout)
+    budget = fraction * _free_memory(device)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches = []
+    for i in order:
+        need = lengths[i] * per_token + lengths[i] ** 2 * per_pair
+        if need > budget:
+            raise _SequenceTooLarge(i, (
+                f"sequence {i} ({lengths[i]} tokens) needs about {need / 2**30:.2f} GiB of "
+                f"activation memory, but only {budget / 2**30:.2f} GiB ({fraction:.0%} of the "
+                f"free memory) is available on {device}. Shorten the prompt "
+                "(PromptTemplate(max_prompt_tokens=...)), use dtype='bfloat16', free memory, "
+                "or extract on another device."))
+        if batches:
+            width = lengths[batches[-1][0]]
+            if (len(batches[-1]) + 1) * (width * per_token + width ** 2 * per_pair) <= budget:
+                batches[-1].append(i)
+                continue
+        batches.append([i])
+    return batches
+
+
+def _is_out_of_memory(exc):
+    import torch
+
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", ())
+    return isinstance(exc, oom) or (isinstance(exc, RuntimeError)
+                                    and "out of memory" in str(exc).lower())
+
+
+def _check_batch_size(batch_size):
+    if batch_size == "auto":
+        return "auto"
+    if (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
+            or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive int or 'auto', got {batch_size!r}.")
+    return int(batch_size)
+
+
 def extract_activations(model, input_ids, positions, sites, *, starts=None, batch_size=1,
                         pad_token_id=0, early_stop=True, on_done=None):
     """Read ``sites`` at ``positions`` of each sequence, one forward pass per batch.
@@ -213,10 +312,15 @@ def extract_activations(model, input_ids, positions, sites, *, starts=None, batc
         tokens ``starts[i][k] .. positions[i][k]`` (inclusive) instead of the value
         at ``positions[i][k]``. Spans may overlap; each needs
         ``0 <= starts[i][k] <= positions[i][k]``.
-    batch_size : int, default=1
+    batch_size : int or "auto", default=1
         Sequences per forward pass. Batches are formed by decreasing length and
-        right-padded; with causal attention a real token never attends to the
-        padding that follows it.
+        right-padded (with an attention mask); with causal attention a real
+        token never attends to the padding that follows it. ``"auto"``: as many
+        sequences per batch as fit 80% of the device's free memory (CUDA:
+        ``torch.cuda.mem_get_info``; CPU: ``MemAvailable``) by a generous
+        per-token estimate, so short sequences share large batches and long ones
+        run alone; a batch that still runs out of CUDA memory is split in two
+        and retried. A sequence that alone does not fit raises ``MemoryError``.
     pad_token_id : int, default=0
         Id written into padded slots (masked out; any valid id works).
     early_stop : bool, default=True
@@ -229,6 +333,14 @@ def extract_activations(model, input_ids, positions, sites, *, starts=None, batc
     values : list of ndarray of float32, shape (len(positions[i]), n_sites, hidden_size)
         In input order.
     """
+    return _extract(model, input_ids, positions, sites, starts=starts,
+                    batch_size=batch_size, pad_token_id=pad_token_id,
+                    early_stop=early_stop, on_done=on_done)[0]
+
+
+def _extract(model, input_ids, positions, sites, *, starts=None, batch_size=1,
+             pad_token_id=0, early_stop=True, on_done=None):
+    """:func:`extract_activations`, returning ``(values, n_forward_passes)``."""
     import torch
 
     layout = decoder_layout(model)
@@ -236,7 +348,13 @@ def extract_activations(model, input_ids, positions, sites, *, starts=None, batc
     device = layout.embedding.weight.device
     lengths = [int(np.asarray(ids).shape[0]) for ids in input_ids]
     results = [None] * len(lengths)
-    for batch in _batches(lengths, max(1, int(batch_size))):
+    auto = _check_batch_size(batch_size) == "auto"
+    queue = (_auto_batches(lengths, layout, device) if auto
+             else _batches(lengths, int(batch_size)))
+    queue.reverse()  # a stack: pop() takes the next batch, halves go back on top
+    n_passes = 0
+    while queue:
+        batch = queue.pop()
         width = max(lengths[i] for i in batch)
         padded = any(lengths[i] != width for i in batch)
         ids = np.full((len(batch), width), int(pad_token_id), dtype=np.int64)
@@ -272,17 +390,181 @@ def extract_activations(model, input_ids, positions, sites, *, starts=None, batc
         rows = torch.from_numpy(np.concatenate(rows)).to(device)
         seg = (None if starts is None
                else torch.from_numpy(np.concatenate(segments)).to(device))
-        out = reader.run(torch.from_numpy(ids).to(device), rows,
-                         attention_mask=None if mask is None else torch.from_numpy(mask).to(device),
-                         segments=seg, n_out=sum(counts))
-        out = out.cpu().numpy()
+        try:
+            out = reader.run(torch.from_numpy(ids).to(device), rows,
+                             attention_mask=(None if mask is None
+                                             else torch.from_numpy(mask).to(device)),
+                             segments=seg, n_out=sum(counts))
+        except Exception as exc:
+            if not (auto and _is_out_of_memory(exc)):
+                raise
+            del rows, seg
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if len(batch) == 1:
+                raise _SequenceTooLarge(batch[0], (
+                    f"sequence {batch[0]} ({lengths[batch[0]]} tokens) alone ran out of "
+                    f"memory on {device}. Shorten the prompt (PromptTemplate("
+                    "max_prompt_tokens=...)), use dtype='bfloat16', or extract on another "
+                    "device.")) from exc
+            half = len(batch) // 2
+            queue.extend([batch[half:], batch[:half]])
+            continue
+        n_passes += 1
+        out = out.cpu().numpy()  # to the host after every batch
         start = 0
         for i, n in zip(batch, counts):
             results[i] = out[start:start + n]
             start += n
             if on_done is not None:
                 on_done(i, results[i])
-    return results
+    return results, n_passes
+
+
+# ------------------------------------------------------------------ dispatch
+_VERIFIED = {}
+
+
+def _is_torch_dtype(dtype):
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return False
+    return isinstance(dtype, torch.dtype)
+
+
+def _task_model(job):
+    """The job's model in this process: loaded once (process-level cache), then checked.
+
+    Checked once per process and spec: the architecture fingerprint and the
+    identity (file digest, ...) must be those the parent fitted with, so a
+    worker with other model files under the same path fails loudly.
+    """
+    from .models import load_model, model_fingerprint, model_identity, registered_models
+
+    if (job["identity"].get("kind") == "registered"
+            and str(job["model"]) not in registered_models()):
+        raise RuntimeError(
+            f"model {str(job['model'])!r} is registered (skafa.models.register_model) only in "
+            f"the process that registered it, so worker process {os.getpid()} cannot load "
+            "it. With n_jobs != 1 on a process or Dask backend, pass a path or name every "
+            "worker can load (a saved folder, a .gguf file, 'smollm2', a hub id), or use "
+            "joblib.parallel_config(backend='threading').")
+    model, _ = load_model(job["model"], device=job["device"], dtype=job["dtype"])
+    check = json.dumps([str(job["model"]), job["device"], job["dtype"], job["identity"],
+                        job["fingerprint"]], sort_keys=True, default=str)
+    if _VERIFIED.get(id(model)) != check:
+        if model_fingerprint(model) != job["fingerprint"]:
+            raise RuntimeError(
+                f"process {os.getpid()}: the model {str(job['model'])!r} loaded here differs "
+                "from the one the transformer was fitted with (architecture fingerprint); "
+                "install the same model files on every worker.")
+        if model_identity(job["model"]) != job["identity"]:
+            raise RuntimeError(
+                f"process {os.getpid()}: the model files of {str(job['model'])!r} here differ "
+                "from the parent's (model identity); install the same files on every worker.")
+        _VERIFIED[id(model)] = check
+    return model
+
+
+def _check_finite(acts, item, sites):
+    finite = np.isfinite(acts)
+    if not finite.all():
+        turn, site = (int(v) for v in np.argwhere(~finite.all(axis=2))[0])
+        raise ValueError(
+            f"{item['where']}: non-finite activation at turn {turn} "
+            f"(speaker {item['speakers'][turn]!r}), site {sites[site]!r}. "
+            "Try dtype='float32' or check the model weights."
+        )
+
+
+def _extract_task(job, items, cache=None, progress=None):
+    """Extract ``items`` (dicts of ``key``, ``input_ids``, ``positions``, ``starts``, ...).
+
+    Runs in the calling process (``cache`` and ``progress`` given) or in a joblib
+    worker (the job's ``cache_dir`` is opened here, disk only). Every conversation
+    is written to the cache as soon as its batch is done, so a worker that dies
+    loses at most the batch in flight; a worker first re-reads the disk cache, so
+    a retried task (or another process that got there first) skips what is done.
+
+    Returns
+    -------
+    values : list of ndarray, in the order of ``items``
+    n_passes : int
+        Forward passes run.
+    n_hits : int
+        Items found in the disk cache on the worker's re-check.
+    """
+    sites = job["sites"]
+    model = _task_model(job)
+    hidden = int(decoder_layout(model).embedding.weight.shape[-1])
+    recheck = cache is None
+    if cache is None and job["cache_dir"] is not None:
+        cache = ActivationCache(job["cache_dir"], memory=False)
+    out = [None] * len(items)
+    todo = list(range(len(items)))
+    if recheck and cache is not None:
+        todo = []
+        for k, item in enumerate(items):
+            hit = cache.get(item["key"], sites, n_turns=len(item["positions"]),
+                            hidden_size=hidden)
+            if hit is None:
+                todo.append(k)
+            else:
+                out[k] = np.array(hit)
+    n_hits = len(items) - len(todo)
+
+    def done(j, acts):
+        item = items[todo[j]]
+        _check_finite(acts, item, sites)
+        if cache is not None:
+            cache.put(item["key"], sites, acts)
+        out[todo[j]] = acts
+        if progress is not None:
+            progress(todo[j], acts)
+
+    n_passes = 0
+    if todo:
+        try:
+            _, n_passes = _extract(
+                model, [items[k]["input_ids"] for k in todo],
+                [items[k]["positions"] for k in todo], sites,
+                starts=None if not job["mean"] else [items[k]["starts"] for k in todo],
+                batch_size=job["batch_size"], pad_token_id=job["pad"], on_done=done)
+        except _SequenceTooLarge as exc:
+            raise MemoryError(f"{items[todo[exc.index]]['where']}: {exc}") from None
+    return out, n_passes, n_hits
+
+
+_LOCAL_BACKENDS = ("SequentialBackend", "ThreadingBackend", "LokyBackend",
+                   "MultiprocessingBackend")
+
+
+def _n_workers(n_jobs):
+    """Workers joblib would use; 1 means "extract in this process".
+
+    ``n_jobs=1`` always runs here (scikit-learn's convention). Under a cluster
+    backend (Dask, ...) the cluster decides even when it reports one worker
+    right now (e.g. while a lost worker restarts): the work still goes there.
+    """
+    from joblib import effective_n_jobs
+    from joblib.parallel import get_active_backend
+
+    if n_jobs == 1:
+        return 1
+    n = effective_n_jobs(n_jobs)
+    if n == 1 and type(get_active_backend()[0]).__name__ not in _LOCAL_BACKENDS:
+        return 2
+    return n
+
+
+def _chunks(lengths, batch_size, n_workers):
+    """Tasks for the workers: the serial run's batches, or length-sorted slices ("auto")."""
+    if batch_size != "auto":
+        return _batches(lengths, batch_size)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    n_tasks = min(len(order), 4 * max(1, n_workers))
+    return [order[t::n_tasks] for t in range(n_tasks)]
 
 
 # ------------------------------------------------------------------ estimator
@@ -377,16 +659,33 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         Extra variables for the chat template, e.g. ``{"date_string": "26 Jul 2024"}``
         to pin a template that would otherwise insert today's date.
     device : str, default="cpu"
-        Torch device. Not part of the cache key.
-    dtype : str, default="float32"
-        Compute dtype of the model. Activations are returned as float32.
+        Torch device, e.g. ``"cuda"`` (first GPU) or ``"cuda:1"``. Not part of the
+        cache key. With ``n_jobs``, every worker loads the model on this device.
+    dtype : str or torch.dtype, default="float32"
+        Compute dtype of the model: ``"float32"``, ``"bfloat16"``, ``"float16"``,
+        ``"float64"`` or the torch dtype. Activations are gathered and returned as
+        float32 whatever the compute dtype. Part of the cache key (``"bfloat16"``
+        and ``torch.bfloat16`` share entries).
     cache_dir : str or path-like, default=None
         Directory of an on-disk activation cache shared across processes.
     memory_cache : bool, default=True
         Use the process-wide in-memory LRU cache
         (:func:`skafa.cache.shared_memory_cache`).
-    batch_size : int, default=1
-        Conversations per forward pass (sorted by length, right-padded).
+    batch_size : int or "auto", default=1
+        Conversations per forward pass (sorted by length, right-padded, with an
+        attention mask). ``"auto"`` fills each batch up to 80% of the device's free
+        memory by a per-token estimate (see :func:`extract_activations`) and raises
+        ``MemoryError`` naming the conversation when one alone does not fit.
+    n_jobs : int, default=None
+        Workers for the conversations that miss the cache, through joblib
+        (:class:`sklearn.utils.parallel.Parallel`). ``None`` means 1 unless in a
+        :func:`joblib.parallel_config` context; ``-1`` means all processors. Under
+        ``joblib.parallel_config(backend="dask")`` the workers are those of a Dask
+        cluster. Each worker loads ``model`` by name or path once per process (so
+        a name from :func:`skafa.models.register_model` works only with the
+        threading backend), re-checks and writes the shared ``cache_dir`` as it
+        goes, and the parent assembles the results in input order. Workers get
+        the same batches as a serial run, so results are bitwise equal to it.
     verbose : int, default=0
         ``> 0`` shows a progress bar (conversations/s).
 
@@ -420,6 +719,15 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
     :meth:`transform` changes no fitted attribute. What it did (forward passes run,
     cache hits and misses) is reported by :attr:`run_stats`, which is run-time
     state: reset by :meth:`fit`, not saved by :func:`skafa.save`, not pickled.
+
+    Notes
+    -----
+    Conversations with identical content (same cache key) are extracted once per
+    :meth:`transform`, whatever their ids. Across processes that do not share a
+    :meth:`transform` call (two jobs on one ``cache_dir``), a conversation is
+    looked up in the disk cache right before its batch runs; two processes that
+    miss at the same moment may both extract it, which is harmless: the results
+    are identical and entries are written atomically (the last writer wins).
 
     Examples
     --------
@@ -460,7 +768,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
 
     def __init__(self, model="smollm2", *, sites=None, read="last", prompt=None,
                  chat_template_kwargs=None, device="cpu", dtype="float32", cache_dir=None,
-                 memory_cache=True, batch_size=1, verbose=0):
+                 memory_cache=True, batch_size=1, n_jobs=None, verbose=0):
         self.model = model
         self.sites = sites
         self.read = read
@@ -471,6 +779,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         self.cache_dir = cache_dir
         self.memory_cache = memory_cache
         self.batch_size = batch_size
+        self.n_jobs = n_jobs
         self.verbose = verbose
 
     # -------------------------------------------------------------- sklearn
@@ -607,10 +916,12 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         return np.asarray([f"x{k}" for k in range(self.hidden_size_)], dtype=object)
 
     def _key(self, conversation, template_date=None):
+        from .models import _normalise_dtype
+
         return activation_key(
             model_identity=self.model_identity_,
             model_fingerprint=self.model_fingerprint_,
-            dtype=self.dtype,
+            dtype=_normalise_dtype(self.dtype),
             # The prompt of this read and rendering; for read="last"/"mean" through a
             # chat template this is prompt_.fingerprint() (keys written before
             # "recap", "echo" and plain rendering existed stay valid).
@@ -658,19 +969,89 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         date = (_today() if template_uses_date(self._tokenizer) and "date_string" not in kwargs
                 else None)
         keys = [self._key(c, date) for c in X]
-        todo = []
+        todo, first = [], {}
         for i, (conv, key) in enumerate(zip(X, keys)):
+            if key in first:  # the same content twice: extracted once, copied below
+                todo.append(i)
+                continue
             hit = cache.get(key, sites, n_turns=len(conv), hidden_size=hidden)
             if hit is None:
                 todo.append(i)
+                first[key] = i
             else:
                 values[offsets[i]:offsets[i + 1]] = hit
 
         if todo:
-            self._compute(X, todo, keys, values, offsets)
+            self._compute(X, list(first.values()), keys, values, offsets)
+            for i in todo:
+                j = first[keys[i]]
+                if j != i:
+                    values[offsets[i]:offsets[i + 1]] = values[offsets[j]:offsets[j + 1]]
         speakers = [s for c in X for s in c.speakers]
         return TurnFeatures(values, offsets, sites=sites, speakers=speakers,
                             task_ids=[c.task_id for c in X])
+
+    def estimate_cost(self, X, *, calibrate=True):
+        """What :meth:`transform` would do on ``X``, and how long it would take.
+
+        Nothing is extracted and no fitted attribute changes. The time is a
+        projection: :func:`skafa.cost.forward_flops` of every prompt that misses
+        the cache, divided by the rate of one timed 512-token pass on this
+        model and device (:func:`skafa.cost.measure_throughput`).
+
+        Parameters
+        ----------
+        X : list of Conversation
+        calibrate : bool, default=True
+            Time the calibration pass (a few seconds on a CPU); ``False`` leaves
+            the rate and the ETA as ``None``.
+
+        Returns
+        -------
+        dict
+            ``n_conversations``, ``n_cached``, ``n_to_extract``,
+            ``n_tokens_to_extract``, ``flops_to_extract``, ``tokens_per_s`` and
+            ``flops_per_s`` (calibration), ``eta_s``, ``workers`` (joblib's count for
+            ``n_jobs``; the ETA divides by it) and ``summary`` (one line to print).
+        """
+        from .cost import forward_flops, measure_throughput
+
+        check_is_fitted(self, "sites_")
+        X = _check_conversations(X)
+        self._ensure_loaded()
+        from .prompt import template_uses_date
+
+        kwargs = self.chat_template_kwargs or {}
+        date = (_today() if template_uses_date(self._tokenizer) and "date_string" not in kwargs
+                else None)
+        todo, seen = [], set()
+        for i, conv in enumerate(X):
+            key = self._key(conv, date)
+            if key in seen or self._cache.contains(key, self.sites_, n_turns=len(conv),
+                                                   hidden_size=self.hidden_size_):
+                continue
+            seen.add(key)
+            todo.append(i)
+        n_tokens = [int(self.prompt_.encode(X[i], self._tokenizer,
+                                            chat_template_kwargs=self.chat_template_kwargs,
+                                            index=i).n_tokens) for i in todo]
+        flops = float(np.sum(forward_flops(self._model, n_tokens))) if todo else 0.0
+        workers = max(1, _n_workers(self.n_jobs))
+        rate = measure_throughput(self._model) if calibrate and todo else None
+        eta = None if rate is None else flops / rate["flops_per_s"] / workers
+        summary = (f"{len(todo)} of {len(X)} conversations to extract "
+                   f"({len(X) - len(todo)} cached), {sum(n_tokens):,} prompt tokens, "
+                   f"{flops / 1e12:.2f} TFLOP")
+        if rate is not None:
+            summary += (f"; calibration {rate['tokens_per_s']:.0f} tokens/s at "
+                        f"{rate['n_tokens']} tokens on {self.device}, {workers} worker(s): "
+                        f"ETA {eta / 60:.1f} min")
+        return {"n_conversations": len(X), "n_cached": len(X) - len(todo),
+                "n_to_extract": len(todo), "n_tokens_to_extract": int(sum(n_tokens)),
+                "flops_to_extract": flops,
+                "tokens_per_s": None if rate is None else rate["tokens_per_s"],
+                "flops_per_s": None if rate is None else rate["flops_per_s"],
+                "eta_s": eta, "workers": workers, "summary": summary}
 
     def _compute(self, X, todo, keys, values, offsets):
         from .prompt import check_fits
@@ -700,31 +1081,50 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
 
             bar = tqdm(total=len(todo), unit="conv", desc="skafa: extracting activations")
 
-        def done(j, acts):
+        pad = getattr(self._tokenizer, "pad_token_id", None)
+        job = {
+            "model": self.model, "device": self.device, "dtype": self.dtype,
+            "identity": self.model_identity_, "fingerprint": self.model_fingerprint_,
+            "sites": sites, "mean": self.read == "mean", "pad": 0 if pad is None else int(pad),
+            "batch_size": _check_batch_size(self.batch_size),
+            "cache_dir": (None if self.cache_dir is None
+                          else os.path.expanduser(os.fspath(self.cache_dir))),
+        }
+        items = [{"key": keys[i], "input_ids": ids, "positions": pos, "starts": first,
+                  "where": _where(i, X[i]), "speakers": list(X[i].speakers)}
+                 for i, ids, pos, first in zip(todo, input_ids, positions, starts)]
+
+        def store(j, acts):
             i = todo[j]
-            conv = X[i]
-            finite = np.isfinite(acts)
-            if not finite.all():
-                turn, site = (int(v) for v in np.argwhere(~finite.all(axis=2))[0])
-                raise ValueError(
-                    f"{_where(i, conv)}: non-finite activation at turn {turn} "
-                    f"(speaker {conv.turns[turn].speaker!r}), site {sites[site]!r}. "
-                    "Try dtype='float32' or check the model weights."
-                )
             values[offsets[i]:offsets[i + 1]] = acts
-            self._cache.put(keys[i], sites, acts)
             if bar is not None:
                 bar.update(1)
 
-        pad = getattr(self._tokenizer, "pad_token_id", None)
-        n_batches = -(-len(todo) // int(self.batch_size))
+        n_workers = _n_workers(self.n_jobs)
         try:
-            extract_activations(self._model, input_ids, positions, sites,
-                                starts=starts if self.read == "mean" else None,
-                                batch_size=int(self.batch_size),
-                                pad_token_id=0 if pad is None else int(pad),
-                                on_done=done)
+            if n_workers == 1 or len(items) == 1:
+                # In this process: the model is already loaded, the cache is ours.
+                _, n_passes, _ = _extract_task(job, items, cache=self._cache, progress=store)
+            else:
+                n_passes = self._compute_parallel(job, items, store, n_workers)
         finally:
             if bar is not None:
                 bar.close()
-        self._run_stats["n_forward_passes"] += n_batches
+        self._run_stats["n_forward_passes"] += n_passes
+
+    def _compute_parallel(self, job, items, store, n_workers):
+        """Dispatch the batches over joblib workers (any backend, e.g. Dask)."""
+        from sklearn.utils.parallel import Parallel, delayed
+
+        lengths = [int(item["input_ids"].shape[0]) for item in items]
+        tasks = _chunks(lengths, job["batch_size"], n_workers)
+        results = Parallel(n_jobs=self.n_jobs, return_as="generator")(
+            delayed(_extract_task)(job, [items[j] for j in task]) for task in tasks)
+        n_passes = 0
+        for task, (out, passes, _) in zip(tasks, results):
+            n_passes += passes
+            for j, acts in zip(task, out):
+                # The worker wrote the disk cache; keep a copy in this process's memory.
+                self._cache.put(items[j]["key"], job["sites"], acts, disk=False)
+                store(j, acts)
+        return n_passes
