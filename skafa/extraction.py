@@ -745,10 +745,13 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         "prompt": [PromptTemplate, None],
         "chat_template_kwargs": [Mapping, None],
         "device": [str],
-        "dtype": [str],
+        # a name ("bfloat16") or a torch dtype; checked in fit by models._normalise_dtype
+        "dtype": [str, "no_validation"],
         "cache_dir": [str, os.PathLike, None],
         "memory_cache": ["boolean"],
-        "batch_size": [Interval(numbers.Integral, 1, None, closed="left")],
+        "batch_size": [Interval(numbers.Integral, 1, None, closed="left"),
+                       StrOptions({"auto"})],
+        "n_jobs": [numbers.Integral, None],
         "verbose": ["verbose"],
     }
 
