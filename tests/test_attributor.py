@@ -341,7 +341,8 @@ def test_quickstart_runs_on_tiny_model(tmp_path, capsys):
     assert len(shortened) == 1 and shortened[0]["index"] == 0
     assert f"shortened 1 conversations, removing {shortened[0]['chars_removed']:,}" in text
     y = np.array([c.mistake_step for c in convs])
-    for name in ("probe (skafa)", "always step 1", "most frequent step"):
+    for name in ("probe (skafa)", "position-only", "TF-IDF", "always step 1",
+                 "most frequent step"):
         assert name in text
         steps = out["predictions"][name]
         assert steps.shape == (30,)
@@ -349,6 +350,12 @@ def test_quickstart_runs_on_tiny_model(tmp_path, capsys):
         assert out["table"][name]["step"].n == 30
     np.testing.assert_array_equal(out["predictions"]["always step 1"],
                                   np.minimum(1, [len(c) - 1 for c in convs]))
+    # the probe is compared pairwise with the honest baselines on the same folds
+    for other in ("position-only", "TF-IDF", "always step 1"):
+        assert f"probe - {other}, step accuracy:" in text
+        d = out["paired_all"][other]
+        assert d.estimate == pytest.approx(np.mean(out["predictions"]["probe (skafa)"] == y)
+                                           - np.mean(out["predictions"][other] == y))
     att = out["attribution"]
     assert f"predicted: step {att.step}" in text and "true:" in text
     assert out["attributor"].best_site_ in out["sites"]
