@@ -745,8 +745,8 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         "prompt": [PromptTemplate, None],
         "chat_template_kwargs": [Mapping, None],
         "device": [str],
-        # a name ("bfloat16") or a torch dtype; checked in fit by models._normalise_dtype
-        "dtype": [str, "no_validation"],
+        # a name ("bfloat16") or a torch dtype: checked in fit (skafa.models.load_model)
+        "dtype": "no_validation",
         "cache_dir": [str, os.PathLike, None],
         "memory_cache": ["boolean"],
         "batch_size": [Interval(numbers.Integral, 1, None, closed="left"),
