@@ -226,7 +226,7 @@ class Conversation:
         if self.mistake_agent is not None and not isinstance(self.mistake_agent, str):
             raise ConversationError(f"{where}: field 'mistake_agent' must be text.")
         for name in ("task_id", "mistake_agent"):
-            if getattr(self, name) is not None:
+            if isinstance(getattr(self, name), str):  # an int task id is kept as an int
                 _check_text(getattr(self, name), where, name)
         if not isinstance(self.metadata, Mapping):
             raise ConversationError(f"{where}: 'metadata' must be a mapping.")
