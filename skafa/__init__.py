@@ -14,43 +14,19 @@ from ._version import __version__
 from .conversation import Conversation, ConversationError, Turn
 from .features import TurnFeatures
 
-# name -> submodule that defines it (imported on first access, PEP 562)
+# Functions and non-class objects exported at the top level: name -> submodule that
+# defines it (imported on first access, PEP 562). Public *classes* need no entry: every
+# CamelCase name in the ``__all__`` of a public module is found by _discover() below,
+# so a new estimator is exported by its own module alone.
 _LAZY = {
-    # datasets
     "load_who_and_when": "datasets",
     "fetch_who_and_when": "datasets",
-    # prompt and models
-    "PromptTemplate": "prompt",
-    "Encoding": "prompt",
     "load_model": "models",
     "register_model": "models",
     "smollm2_path": "models",
-    # extraction
-    "TurnActivationTransformer": "extraction",
-    "ActivationCache": "cache",
     "all_sites": "sites",
-    # estimators
-    "GroupedArgmaxClassifier": "probes",
-    "GroupedArgmaxLogisticClassifier": "probes",
-    "GroupedSoftmaxClassifier": "probes",
-    "PerTurn": "composition",
-    "SiteSelector": "selection",
-    "SiteEnsemble": "selection",
-    "TurnScoreStacker": "stacking",
     "site_sweep": "selection",
-    # featurizers, composition, dummies
-    "TurnPositionTransformer": "featurizers",
-    "TurnTextTransformer": "featurizers",
-    "TurnFeatureUnion": "composition",
-    "SiteConcatenator": "composition",
-    "DummyStepClassifier": "dummies",
-    "PromptedJudge": "judge",
-    # pipelines
-    "AttributionPipeline": "composition",
     "make_attribution_pipeline": "composition",
-    # facade and persistence
-    "FailureAttributor": "attributor",
-    "Attribution": "attributor",
     "save": "persistence",
     "load": "persistence",
 }
@@ -64,8 +40,39 @@ _SUBMODULES = {
     "integrations", "report", "cli",
 }
 
+#: Modules whose classes are not exported at the top level: aliases of old paths,
+#: helpers for tests, the command line, and optional integrations.
+_NOT_EXPORTED = {"baselines", "estimators", "pipeline", "testing", "cli", "report",
+                 "integrations", "utils"}
+
+
+def _discover():
+    """``{class name: module}`` from the ``__all__`` of every public module, read as text.
+
+    The ``__all__`` literal of each source file is read (never imported), so
+    ``import skafa`` stays light.
+    """
+    import ast
+    import re
+    from pathlib import Path
+
+    pattern = re.compile(r"^__all__\s*=\s*([\[(].*?[\])])\s*$", re.S | re.M)
+    found = {}
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        module = path.stem
+        if module.startswith("_") or module in _NOT_EXPORTED:
+            continue
+        match = pattern.search(path.read_text(encoding="utf-8"))
+        for name in ast.literal_eval(match.group(1)) if match else ():
+            if name[:1].isupper() and not name.isupper():
+                found.setdefault(name, module)
+    return found
+
+
+_LAZY = {**_discover(), **_LAZY}
+
 __all__ = ["__version__", "Conversation", "ConversationError", "Turn", "TurnFeatures",
-           *_LAZY]
+           *sorted(set(_LAZY) - {"Conversation", "ConversationError", "Turn", "TurnFeatures"})]
 
 
 def __getattr__(name):

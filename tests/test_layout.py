@@ -41,9 +41,19 @@ def test_all_estimators_lists_each_class_once_under_its_home_module():
     assert homes["DummyStepClassifier"] == "skafa.dummies"
     assert not any(m in ("skafa.estimators", "skafa.baselines", "skafa.pipeline")
                    for m in homes.values())
-    # every public estimator is importable from the top level
+    # every public estimator is importable from the top level, found from its module's
+    # __all__ (no hand-kept table in skafa/__init__.py to update)
     for name, cls in found:
         assert getattr(skafa, name) is cls, name
+        assert name in skafa.__all__ and skafa._LAZY[name] == cls.__module__.split(".")[1]
+
+
+def test_top_level_classes_are_discovered_from_module_all():
+    discovered = skafa._discover()
+    assert discovered["GroupedSoftmaxClassifier"] == "probes"
+    assert discovered["TurnScoreStacker"] == "stacking"
+    # alias modules and helpers are not scanned
+    assert not set(discovered.values()) & skafa._NOT_EXPORTED
 
 
 def test_all_estimators_type_filter():
