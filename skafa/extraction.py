@@ -23,14 +23,13 @@ import numbers
 import os
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
 from sklearn.base import BaseEstimator, TransformerMixin
 from sklearn.utils.validation import check_is_fitted
 
 from .cache import ActivationCache, activation_key
-from .conversation import Conversation
 from .features import TurnFeatures
 from .models import ModelHandle
 from .persistence import PersistenceMixin
@@ -38,6 +37,7 @@ from .prompt import READS as _READ
 from .prompt import PromptTemplate
 from .sites import decoder_layout, parse_site, site_depth, validate_sites
 from .utils._sklearn_compat import Interval, StrOptions, _fit_context
+from .utils._validation import check_conversations, describe_conversation
 
 __all__ = ["TurnActivationTransformer", "extract_activations", "SiteReader"]
 
@@ -568,29 +568,6 @@ def _chunks(lengths, batch_size, n_workers):
 
 
 # ------------------------------------------------------------------ estimator
-def _check_conversations(X, what="X"):
-    if isinstance(X, Conversation):
-        raise TypeError(
-            f"{what} must be a list of Conversation objects, got a single Conversation; "
-            "wrap it in a list."
-        )
-    if isinstance(X, (str, bytes, Mapping)) or not isinstance(X, (Sequence, np.ndarray)):
-        raise TypeError(
-            f"{what} must be a list (or other sequence) of skafa.Conversation objects, got "
-            f"{type(X).__name__}."
-        )
-    X = list(X)
-    if not X:
-        raise ValueError(f"{what} is empty: pass at least one Conversation.")
-    for i, conv in enumerate(X):
-        if not isinstance(conv, Conversation):
-            raise TypeError(
-                f"{what}[{i}] is a {type(conv).__name__}, not a skafa.Conversation "
-                "(build one with Conversation.from_who_and_when or from_messages)."
-            )
-    return X
-
-
 def _today():
     """Today's date (ISO); part of the cache key when a chat template's date is unpinned."""
     return datetime.date.today().isoformat()
@@ -611,8 +588,8 @@ def _tokenizer_fingerprint(tokenizer):
 
 
 def _where(index, conversation):
-    rid = "" if conversation.record_id is None else f", record {conversation.record_id!r}"
-    return f"conversation {index} (task id {conversation.task_id!r}{rid})"
+    return describe_conversation(index, task_id=conversation.task_id,
+                                 record_id=conversation.record_id)
 
 
 class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimator):
@@ -881,7 +858,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
                 "loaded yourself with skafa.models.register_model(name, model, tokenizer) "
                 "and pass the name."
             )
-        _check_conversations(X)
+        check_conversations(X, "TurnActivationTransformer")
         model = self._load()
         layout = self._layout
         self.n_layers_ = layout.n_layers
@@ -958,7 +935,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
             finite (naming conversation, turn and site), or ``X`` is empty.
         """
         check_is_fitted(self, "sites_")
-        X = _check_conversations(X)
+        X = check_conversations(X, "TurnActivationTransformer")
         self._ensure_loaded()
         cache = self._cache
         sites, hidden = self.sites_, self.hidden_size_
@@ -1020,7 +997,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         from .cost import forward_flops, measure_throughput
 
         check_is_fitted(self, "sites_")
-        X = _check_conversations(X)
+        X = check_conversations(X, "TurnActivationTransformer")
         self._ensure_loaded()
         from .prompt import template_uses_date
 

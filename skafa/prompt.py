@@ -120,19 +120,10 @@ class PromptTooLongError(ValueError):
 
 
 def _describe(conversation, index=None) -> str:
-    parts = []
-    if index is not None:
-        parts.append(f"conversation {index}")
-    else:
-        parts.append("conversation")
-    ids = []
-    if getattr(conversation, "task_id", None) is not None:
-        ids.append(f"task_id={conversation.task_id!r}")
-    if getattr(conversation, "record_id", None) is not None:
-        ids.append(f"record_id={conversation.record_id!r}")
-    if ids:
-        parts.append("(" + ", ".join(ids) + ")")
-    return " ".join(parts)
+    from .utils._validation import describe_conversation
+
+    return describe_conversation(index, task_id=getattr(conversation, "task_id", None),
+                                 record_id=getattr(conversation, "record_id", None))
 
 
 # --------------------------------------------------------------------------- template

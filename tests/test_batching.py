@@ -66,7 +66,7 @@ def test_auto_batches_follow_free_memory(model_dir, monkeypatch):
     monkeypatch.setattr(extraction, "_free_memory", lambda device: 8 * 2**30)
     big = TurnActivationTransformer(model_dir, memory_cache=False, batch_size="auto").fit(convs)
     np.testing.assert_allclose(big.transform(convs).values, one.values, rtol=1e-5, atol=1e-5)
-    assert big.n_forward_passes_ == 1  # 8 GiB holds every tiny conversation at once
+    assert big.run_stats["n_forward_passes"] == 1  # 8 GiB holds every tiny conversation at once
     # With room for about two sequences, long ones run alone and short ones share.
     model = big._model
     layout = extraction.decoder_layout(model)
@@ -77,17 +77,17 @@ def test_auto_batches_follow_free_memory(model_dir, monkeypatch):
                         lambda device: 2.2 * (w * per_token + w * w * per_pair) / 0.8)
     small = TurnActivationTransformer(model_dir, memory_cache=False, batch_size="auto").fit(convs)
     np.testing.assert_allclose(small.transform(convs).values, one.values, rtol=1e-5, atol=1e-5)
-    assert 1 < small.n_forward_passes_ < len(convs)
+    assert 1 < small.run_stats["n_forward_passes"] < len(convs)
 
 
 def test_auto_batch_size_refuses_a_conversation_that_alone_does_not_fit(model_dir, monkeypatch):
     convs = make_conversations(3, seed=3)
     monkeypatch.setattr(extraction, "_free_memory", lambda device: 1000)
     t = TurnActivationTransformer(model_dir, memory_cache=False, batch_size="auto").fit(convs)
-    with pytest.raises(MemoryError, match=r"conversation \d \(task id 'task-\d'.*tokens\) needs "
+    with pytest.raises(MemoryError, match=r"conversation \d \(task 'task-\d'.*tokens\) needs "
                                           r"about .* GiB"):
         t.transform(convs)
-    with pytest.raises(ValueError, match="batch_size must be a positive int or 'auto'"):
+    with pytest.raises(ValueError, match="batch_size.*an int in the range.*or a str among .'auto'."):
         TurnActivationTransformer(model_dir, batch_size="big").fit(convs)
 
 
@@ -149,7 +149,7 @@ def test_interrupted_transform_resumes_from_the_disk_cache(model_dir, tmp_path, 
     again = TurnActivationTransformer(model_dir, cache_dir=cache_dir, memory_cache=False,
                                       verbose=1).fit(convs)
     X = again.transform(convs)
-    assert again.cache_stats_["disk_hits"] == 2 and again.n_forward_passes_ == 4
+    assert again.run_stats["disk_hits"] == 2 and again.run_stats["n_forward_passes"] == 4
     np.testing.assert_array_equal(X.values, ref.values)
 
 

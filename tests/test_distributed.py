@@ -80,13 +80,13 @@ def test_dask_extraction_is_bitwise_equal_to_serial(client, model_dir, tmp_path,
     assert list(got.task_ids) == [c.task_id for c in convs]
     # The twin is extracted once: one pass per distinct conversation (batch_size=1),
     # one file per distinct conversation, written by the workers.
-    assert serial.n_forward_passes_ == dist.n_forward_passes_ == -(-9 // batch_size)
+    assert serial.run_stats["n_forward_passes"] == dist.run_stats["n_forward_passes"] == -(-9 // batch_size)
     assert len(_files(cache_dir)) == 9
     # A fresh serial transformer reads the workers' files: no forward pass.
     again = TurnActivationTransformer(model_dir, memory_cache=False, batch_size=batch_size,
                                       cache_dir=cache_dir).fit(convs)
     np.testing.assert_array_equal(again.transform(convs).values, ref.values)
-    assert again.n_forward_passes_ == 0
+    assert again.run_stats["n_forward_passes"] == 0
 
 
 def _kill_after_first_put(sentinel):
@@ -142,7 +142,7 @@ def test_killed_worker_loses_nothing_cached_and_the_rerun_completes(client, mode
                                       cache_dir=cache_dir, n_jobs=-1).fit(convs)
     with joblib.parallel_config(backend="dask"):
         X = again.transform(convs)
-    assert again.n_forward_passes_ == 0 and again.cache_stats_["disk_hits"] == 12
+    assert again.run_stats["n_forward_passes"] == 0 and again.run_stats["disk_hits"] == 12
     np.testing.assert_array_equal(X.values, got.values)
 
 

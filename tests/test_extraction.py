@@ -245,7 +245,7 @@ def test_non_finite_activation_is_refused(bad, site, registered):
     name = registered(model)
     convs = make_conversations(3, seed=3)
     t = TurnActivationTransformer(name, memory_cache=False).fit(convs)
-    with pytest.raises(ValueError, match=rf"conversation 0 \(task id 'task-0'.*turn 0 .*'{site}'"):
+    with pytest.raises(ValueError, match=rf"conversation 0 \(task 'task-0'.*turn 0 .*'{site}'"):
         t.transform(convs)
 
 
@@ -265,7 +265,7 @@ def test_non_finite_names_later_conversation(registered):
     t = TurnActivationTransformer(name, memory_cache=False).fit(convs)
     # (0 * inf in the attention product can spread it to earlier positions, so the
     # turn and site are not pinned down here; the conversation is.)
-    with pytest.raises(ValueError, match=r"conversation 1 \(task id 'bad'\): non-finite "
+    with pytest.raises(ValueError, match=r"conversation 1 \(task 'bad'\): non-finite "
                                          r"activation at turn \d \(speaker '[ab]'\), site "
                                          r"'(resid_pre|mlp_in)\.0'"):
         t.transform(convs)
@@ -275,15 +275,15 @@ def test_bad_inputs(registered):
     name = registered(make_tiny_llama(n_layers=1))
     convs = make_conversations(2)
     t = TurnActivationTransformer(name).fit(convs)
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="zero conversations"):
         t.transform([])
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="zero conversations"):
         TurnActivationTransformer(name).fit([])
     with pytest.raises(TypeError, match="single Conversation"):
         t.transform(convs[0])
-    with pytest.raises(TypeError, match=r"X\[1\] is a str"):
+    with pytest.raises(TypeError, match=r"conversation 1 is a str"):
         t.transform([convs[0], "hello"])
-    with pytest.raises(TypeError, match="list .or other sequence. of skafa.Conversation"):
+    with pytest.raises(TypeError, match="takes a list of Conversation objects"):
         t.transform(42)
     with pytest.raises(ValueError, match="Unknown site.*'resid_pre.5'"):
         TurnActivationTransformer(name, sites=["resid_pre.5"]).fit(convs)

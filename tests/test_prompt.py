@@ -337,7 +337,7 @@ def test_middle_first_fits_and_shortens_longest_first(tok):
 def test_middle_first_impossible_budget_raises(tok):
     conv = _conv(["a" * 200, "b" * 200], task_id="T1", record_id="R1")
     t = PromptTemplate(shorten="middle_first", max_prompt_tokens=20)
-    with pytest.raises(PromptTooLongError, match=r"task_id='T1'.*record_id='R1'.*20"):
+    with pytest.raises(PromptTooLongError, match=r"task 'T1'.*record 'R1'.*20"):
         encode(conv, tok, template=t)
     p = plan([conv], tok, t, max_tokens=20)
     assert not p[0]["fits"] and p[0]["n_tokens"] > 20
@@ -405,8 +405,8 @@ def test_check_fits_names_conversation(tok):
     with pytest.raises(ValueError) as info:
         check_fits(enc, 50, 3, convs[3])
     msg = str(info.value)
-    assert "conversation 3" in msg and "task_id='task-1'" in msg
-    assert "record_id='synthetic/3'" in msg
+    assert "conversation 3" in msg and "task 'task-1'" in msg
+    assert "record 'synthetic/3'" in msg
     assert f"{enc.n_tokens} prompt tokens" in msg and "limit of 50" in msg
     assert isinstance(info.value, PromptTooLongError) and info.value.n_tokens == enc.n_tokens
 

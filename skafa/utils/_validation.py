@@ -43,8 +43,8 @@ def describe_conversation(i, *, task_id=None, record_id=None) -> str:
 
     Parameters
     ----------
-    i : int
-        Position of the conversation in the input.
+    i : int or None
+        Position of the conversation in the input (None: not known).
     task_id, record_id : object, default=None
         Shown when not None.
 
@@ -58,7 +58,8 @@ def describe_conversation(i, *, task_id=None, record_id=None) -> str:
         parts.append(f"task {task_id!r}")
     if record_id is not None:
         parts.append(f"record {record_id!r}")
-    return f"conversation {int(i)}" + (f" ({', '.join(parts)})" if parts else "")
+    head = "conversation" if i is None else f"conversation {int(i)}"
+    return head + (f" ({', '.join(parts)})" if parts else "")
 
 
 def describe(X, i) -> str:
