@@ -45,6 +45,9 @@ _LAZY = {
     # pipelines
     "AttributionPipeline": "composition",
     "make_attribution_pipeline": "composition",
+    # online auditing
+    "OnlineAuditor": "online",
+    "AuditSession": "online",
     # facade and persistence
     "FailureAttributor": "attributor",
     "Attribution": "attributor",
@@ -54,7 +57,7 @@ _LAZY = {
 
 _SUBMODULES = {
     "attributor", "baselines", "cache", "composition", "datasets", "dummies", "estimators",
-    "extraction", "features", "featurizers", "judge", "metrics", "models", "persistence",
+    "extraction", "features", "featurizers", "judge", "metrics", "models", "online", "persistence",
     "pipeline", "probes", "prompt", "selection", "sites", "testing", "utils",
 }
 

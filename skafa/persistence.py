@@ -153,6 +153,7 @@ _DEFAULT_CLASSES = (
     "skafa.selection.SiteSelector",
     "skafa.judge.PromptedJudge",
     "skafa.attributor.FailureAttributor",
+    "skafa.online.OnlineAuditor",  # online auditing (issue 11); plain-data attributes
     # scikit-learn estimators
     "sklearn.pipeline.Pipeline",
     "skafa.composition.AttributionPipeline",

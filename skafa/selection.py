@@ -60,6 +60,30 @@ def _check_site_cv(cv):
     return check_cv(cv, classifier=False)
 
 
+def _grouped_splits(cv, X, y, split_params):
+    """``list(cv.split(X, y, **split_params))``, grouping by ``X.task_ids`` by default.
+
+    When no ``groups`` were given and the splitter uses groups, the task ids of
+    ``X`` (when every conversation has one) are the groups; a splitter that needs
+    groups and gets none raises an error saying how to pass them.
+    """
+    split_params = dict(split_params)
+    if (split_params.get("groups") is None and X.task_ids is not None
+            and not _ignores_groups(cv)):
+        if all(t is not None for t in X.task_ids):
+            split_params["groups"] = X.task_ids
+    try:
+        return list(cv.split(X, y, **split_params))
+    except ValueError as exc:
+        if split_params.get("groups") is None and "group" in str(exc).lower():
+            raise ValueError(
+                f"the splitter {cv!r} needs groups: pass groups=<task ids> to fit "
+                "(routed automatically with metadata routing), give X task_ids, "
+                "or use an ungrouped splitter such as KFold."
+            ) from exc
+        raise
+
+
 def _get_scorer(estimator, scoring):
     """skafa scorer names (``"top3"``, ``"within_1"``, ...) first, then sklearn's."""
     if isinstance(scoring, str) and scoring in SCORERS:
@@ -351,20 +375,7 @@ class SiteSelector(MetaEstimatorMixin, BaseEstimator):
         scorer = _get_scorer(self.estimator, self.scoring)
         split_params, fit_params = self._split_and_fit_params(groups, params)
 
-        if (split_params.get("groups") is None and X.task_ids is not None
-                and not _ignores_groups(cv)):
-            if all(t is not None for t in X.task_ids):
-                split_params["groups"] = X.task_ids
-        try:
-            splits = list(cv.split(X, y, **split_params))
-        except ValueError as exc:
-            if split_params.get("groups") is None and "group" in str(exc).lower():
-                raise ValueError(
-                    f"the splitter {cv!r} needs groups: pass groups=<task ids> to fit "
-                    "(routed automatically with metadata routing), give X task_ids, "
-                    "or use an ungrouped splitter such as KFold."
-                ) from exc
-            raise
+        splits = _grouped_splits(cv, X, y, split_params)
         n_splits = len(splits)
         if self.verbose > 0:
             print(
