@@ -509,3 +509,20 @@ def test_smollm2_prefix_and_stream_equality_on_real_records(who_and_when_dir):
         session.extend(conv.turns)
         np.testing.assert_allclose(session.features().values, one_pass[i],
                                    rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.integration
+def test_user_guide_streaming_example():
+    # The SmolLM2 streaming example of docs/user-guide.md, section 11, runs as written.
+    _smollm2_or_skip()
+    import re
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "user-guide.md").read_text(
+        encoding="utf-8")
+    m = re.search(r"test_user_guide_streaming_example -->\n```python\n(.*?)\n```", guide, re.S)
+    assert m, "the streaming example is missing from the user guide"
+    namespace = {"__name__": "user_guide_streaming"}
+    exec(compile(m.group(1), "user-guide.md:streaming", "exec"), namespace)
+    session = namespace["session"]
+    assert 1 <= len(session.verdicts) <= 3 and session.n_tokens > 100
+    assert isinstance(namespace["verdict"].score, float)
