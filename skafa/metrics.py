@@ -10,6 +10,10 @@ conversation ``i`` and ``y_pred[i]`` the predicted one.
 * Uncertainty: :func:`bootstrap_ci`, :func:`paired_bootstrap_ci`,
   :func:`bootstrap_ci_from_scores` (percentile bootstrap over conversations, or over
   groups such as task ids).
+* Online auditing (AgentForesight's definitions; ``-1`` = safe run / no alarm):
+  :func:`exact_f1`, :func:`false_alarm_rate`, :func:`online_step_accuracy`,
+  :func:`average_step_shift`, plus :func:`detection_delay`, :func:`early_alarm_share`,
+  :func:`miss_rate`.
 * Scorers for ``scoring=`` in ``cross_val_score`` / ``GridSearchCV``:
   :data:`step_accuracy_scorer`, :func:`make_step_scorer`, :func:`within_k_scorer`,
   :func:`top_k_step_scorer`, :func:`agent_accuracy_scorer`, the name mapping
