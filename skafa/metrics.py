@@ -1054,9 +1054,14 @@ __all__ += ["exact_f1", "false_alarm_rate", "online_step_accuracy", "average_ste
             "detection_delay", "early_alarm_share", "miss_rate"]
 
 # Scorers (call ``estimator.predict``, e.g. skafa.online.OnlineAuditor's first alarms).
+# Named ones work on any labels; FAR needs safe runs and ASS can be NaN (no alarm), so
+# their scorers are module attributes rather than names in SCORERS.
 SCORERS.update({
     "online_exact_f1": make_step_scorer(exact_f1),
     "online_step_accuracy": make_step_scorer(online_step_accuracy),
-    "neg_false_alarm_rate": make_step_scorer(false_alarm_rate, greater_is_better=False),
-    "neg_average_step_shift": make_step_scorer(average_step_shift, greater_is_better=False),
 })
+#: Scorer of ``-false_alarm_rate`` (needs safe runs, ``y == -1``, in every test fold).
+neg_false_alarm_rate_scorer = make_step_scorer(false_alarm_rate, greater_is_better=False)
+#: Scorer of ``-average_step_shift`` (NaN when a fold has no alarm on an unsafe run).
+neg_average_step_shift_scorer = make_step_scorer(average_step_shift, greater_is_better=False)
+__all__ += ["neg_false_alarm_rate_scorer", "neg_average_step_shift_scorer"]
