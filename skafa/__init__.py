@@ -34,8 +34,8 @@ _LAZY = {
 _SUBMODULES = {
     "attributor", "baselines", "cache", "composition", "cost", "datasets", "dummies",
     "estimators", "extraction", "features", "featurizers", "judge", "metrics", "models",
-    "persistence", "pipeline", "probes", "prompt", "selection", "sites", "stacking",
-    "testing", "utils",
+    "online", "persistence", "pipeline", "probes", "prompt", "selection", "sites",
+    "stacking", "testing", "utils",
     # not imported by ``import skafa``; loaded on first access
     "integrations", "report", "cli",
 }

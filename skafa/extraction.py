@@ -131,7 +131,8 @@ class SiteReader:
                 handles.append(module.register_forward_hook(hook))
         return handles
 
-    def run(self, input_ids, rows, *, attention_mask=None, segments=None, n_out=None):
+    def run(self, input_ids, rows, *, attention_mask=None, segments=None, n_out=None,
+            past_key_values=None):
         """Run one forward pass and return the sites at the given rows.
 
         Parameters
@@ -147,6 +148,13 @@ class SiteReader:
             (summed in float32, divided by their count). ``None`` returns every row.
         n_out : int, optional
             Number of segments; required with ``segments``.
+        past_key_values : transformers Cache, optional
+            Keys and values of the tokens before ``input_ids`` (e.g. a
+            ``DynamicCache(config=model.config)``, empty at first), extended in
+            place with those of ``input_ids``; ``rows`` index the new tokens only.
+            With ``early_stop`` the layers past the deepest site neither run nor
+            get cached, so use readers of the same sites on one cache
+            (:class:`skafa.online.AuditSession` does). ``None``: no cache.
 
         Returns
         -------
@@ -170,8 +178,11 @@ class SiteReader:
             try:
                 with torch.inference_mode():
                     try:
+                        cache = ({"use_cache": False} if past_key_values is None else
+                                 {"use_cache": True,
+                                  _cache_kwarg(self.layout.decoder): past_key_values})
                         self.layout.decoder(input_ids=input_ids, attention_mask=attention_mask,
-                                            use_cache=False)
+                                            **cache)
                     except _StopForward:
                         pass
                 return self._buffer
@@ -182,6 +193,15 @@ class SiteReader:
                 self._rows = None
                 self._segments = None
                 self._counts = None
+
+
+def _cache_kwarg(decoder):
+    """Name of the decoder's KV-cache argument: ``cache`` (transformers >= 5.2x) or
+    ``past_key_values`` (earlier, deprecated later)."""
+    import inspect
+
+    params = inspect.signature(decoder.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def _batches(lengths, batch_size):

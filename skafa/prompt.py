@@ -100,6 +100,19 @@ DEFAULT_INSTRUCTION = (
     "Which step contains the decisive error? Answer with the step number and the name "
     "of the agent, in the form 'Step: <number>, Agent: <name>'."
 )
+#: System message of :meth:`PromptTemplate.online`: no claim that the run failed, no
+#: expected answer, nothing that depends on how long the run will be.
+ONLINE_SYSTEM = (
+    "You are monitoring a multi-agent AI system while it runs. You will read the task "
+    "and the numbered steps executed so far, each with the agent that spoke. Watch for "
+    "the decisive error: the first mistake that, if nobody corrects it, will make the "
+    "agents fail the task."
+)
+#: Closing question of :meth:`PromptTemplate.online` (constant: it follows every turn).
+ONLINE_INSTRUCTION = (
+    "Has the decisive error happened in the steps so far? Answer 'Alarm: <step "
+    "number>, <agent>' or 'Continue'."
+)
 
 
 class PromptTooLongError(ValueError):
@@ -227,6 +240,17 @@ class PromptTemplate:
         empty). ``"auto"``: the tokenizer's chat template when it has one, plain
         text otherwise (:meth:`rendering` says which); the rendering used is part
         of the activation cache key.
+    segment_turns : bool, default=False
+        Tokenize the prompt in segments cut at turn boundaries (the text before
+        the first turn line; turn line 0; then ``"\\n"`` + turn line ``i`` for
+        every later turn; the rest) and concatenate the tokens. Every turn's
+        tokens then depend on that turn's text only, so the tokens of a prefix
+        ``0..k`` of a conversation are exactly the first tokens of the whole
+        conversation's prompt whatever the tokenizer's merges across a newline
+        (Qwen2's ``".\\n"``, for instance). Required by online auditing
+        (:meth:`online`, :class:`skafa.online.AuditSession`); incompatible with
+        ``shorten="middle_first"``, whose cuts depend on every turn. Omitted from
+        :meth:`fingerprint` when False, so existing cache keys do not change.
 
     Examples
     --------
@@ -253,6 +277,7 @@ class PromptTemplate:
     recap_format: str = _NEW_FIELDS["recap_format"]
     echo_header: str | None = _NEW_FIELDS["echo_header"]
     chat_template: str = _NEW_FIELDS["chat_template"]
+    segment_turns: bool = False
 
     def __post_init__(self):
         for name in ("system", "answer_header", "history_header", "instruction",
@@ -290,6 +315,16 @@ class PromptTemplate:
                     raise ValueError(f"PromptTemplate.{name} must be a positive int or "
                                      f"None, got {v!r}.")
                 object.__setattr__(self, name, int(v))
+        if not isinstance(self.segment_turns, (bool, np.bool_)):
+            raise TypeError("PromptTemplate.segment_turns must be True or False, got "
+                            f"{self.segment_turns!r}.")
+        object.__setattr__(self, "segment_turns", bool(self.segment_turns))
+        if self.segment_turns and self.shorten == "middle_first":
+            raise ValueError(
+                "PromptTemplate(segment_turns=True) cannot use shorten='middle_first': its "
+                "per-turn cap depends on the length of every turn, so a later turn would "
+                "change how earlier turns are shortened. Use shorten='head_tail' (each turn "
+                "is shortened on its own) or shorten='none'.")
         if self.shorten == "head_tail" and self.max_turn_chars is None:
             raise ValueError("PromptTemplate(shorten='head_tail') needs max_turn_chars.")
         if self.shorten != "head_tail" and self.max_turn_chars is not None:
@@ -374,8 +409,51 @@ class PromptTemplate:
         if read in _READ_FIELDS:
             payload["read_layout"] = {"read": read, "version": _READ_LAYOUT_VERSION[read],
                                       **{k: settings[k] for k in _READ_FIELDS[read]}}
+        if not self.segment_turns:
+            payload.pop("segment_turns", None)  # keys of templates older than the field
         canon = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(canon.encode("utf-8")).hexdigest()
+
+    @classmethod
+    def online(cls, **overrides) -> PromptTemplate:
+        """Template for online auditing: the task and the turns so far, nothing else.
+
+        Unlike the default (post-hoc) template it shows no expected answer
+        (``answer_header=None``), its system message (:data:`ONLINE_SYSTEM`)
+        does not say the run failed, its closing question
+        (:data:`ONLINE_INSTRUCTION`) is a constant, and ``segment_turns=True``
+        makes turn boundaries token boundaries. So the prompt of the prefix
+        ``0..k`` of a run is token for token the beginning of the full run's
+        prompt, up to and including turn ``k``; with a causal model the vector
+        read at turn ``k`` of the full run is what an auditor watching the run
+        would have seen after turn ``k``.
+
+        Parameters
+        ----------
+        **overrides
+            Any other :class:`PromptTemplate` field, e.g.
+            ``shorten="head_tail", max_turn_chars=2000`` (each turn is shortened
+            on its own, so prefixes stay prefixes). Settings that would make a
+            turn's rendering depend on later turns are refused
+            (``shorten="middle_first"``, ``segment_turns=False``).
+
+        Returns
+        -------
+        PromptTemplate
+
+        Examples
+        --------
+        >>> t = PromptTemplate.online()
+        >>> t.answer_header is None, t.segment_turns
+        (True, True)
+        """
+        settings = dict(system=ONLINE_SYSTEM, answer_header=None,
+                        instruction=ONLINE_INSTRUCTION, segment_turns=True)
+        settings.update(overrides)
+        if not settings["segment_turns"]:
+            raise ValueError("PromptTemplate.online needs segment_turns=True (turn "
+                             "boundaries must be token boundaries).")
+        return cls(**settings)
 
     # ------------------------------------------------------------------ render
     def _turn_parts(self, i, turn):
@@ -868,6 +946,39 @@ def _char_tokens(offsets, chars, where, what="turn", ending="use a turn_format t
     return positions.astype(np.int64)
 
 
+def _turn_segments(spans, n_chars):
+    """Character cuts of ``segment_turns``: head, turn 0, "\\n" + turn i..., tail.
+
+    Turn ``i``'s segment ends where its line ends, so it never depends on what
+    follows; the newline that separates two lines opens the later one.
+    """
+    if len(spans) == 0:
+        return [(0, n_chars)]
+    cuts = [0, int(spans[0, 0])] + [int(e) for e in spans[:, 1]] + [int(n_chars)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _tokenize_segments(tokenizer, text, spans, last_chars, where):
+    """:func:`_tokenize` on every segment of :func:`_turn_segments`, concatenated."""
+    segments = _turn_segments(spans, len(text))
+    ids, offsets, positions = [], [], []
+    n_tokens = 0
+    for k, (a, b) in enumerate(segments):
+        if a == b:
+            continue
+        # Segment k is turn k - 1 (segment 0 is the text before the first turn).
+        local = [int(last_chars[k - 1]) - a] if 1 <= k <= len(spans) else []
+        seg_ids, seg_offsets, seg_pos = _tokenize(tokenizer, text[a:b],
+                                                  np.asarray(local, dtype=np.int64), where)
+        ids.append(seg_ids)
+        offsets.append(seg_offsets + a)
+        positions.append(seg_pos + n_tokens)
+        n_tokens += int(seg_ids.shape[0])
+    return (np.concatenate(ids).astype(np.int64),
+            np.concatenate(offsets).astype(np.int64).reshape(-1, 2),
+            np.concatenate(positions).astype(np.int64))
+
+
 def _start_positions(offsets, line_starts, positions):
     """First token of every turn line (see :attr:`Encoding.turn_start_positions`)."""
     ends = offsets[:, 1]
@@ -912,7 +1023,13 @@ def _encode_contents(template, conversation, tokenizer, contents, removed,
                      chat_template_kwargs, where, read="last"):
     text, spans, last_chars, read_spans, read_chars, rendering = _render(
         template, conversation, tokenizer, contents, chat_template_kwargs, where, read)
-    ids, offsets, positions = _tokenize(tokenizer, text, last_chars, where)
+    if template.segment_turns:
+        if read in ("recap", "echo"):
+            raise ValueError(f"{where}: segment_turns (online auditing) reads turns as "
+                             f"they end; read={read!r} needs the whole run.")
+        ids, offsets, positions = _tokenize_segments(tokenizer, text, spans, last_chars, where)
+    else:
+        ids, offsets, positions = _tokenize(tokenizer, text, last_chars, where)
     starts = _start_positions(offsets, spans[:, 0], positions)
     removed = np.asarray(removed, dtype=np.int64)
     extra = {}
