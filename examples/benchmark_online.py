@@ -357,9 +357,9 @@ def main(argv=None):
     A = ext.transform(convs)
     times["extraction"] = time.perf_counter() - t
     print(f"extraction: {A} in {times['extraction']:.0f}s, forward passes "
-          f"{ext.n_forward_passes_}", flush=True)
+          f"{ext.run_stats["n_forward_passes"]}", flush=True)
     if args.extract_only:
-        return {"n_forward_passes": ext.n_forward_passes_}
+        return {"n_forward_passes": ext.run_stats["n_forward_passes"]}
 
     L = ext.n_layers_
     probe_sites = list(A.sites)
@@ -382,7 +382,7 @@ def main(argv=None):
         "date": time.strftime("%Y-%m-%d"),
         "prompt_note": f"`PromptTemplate.online(shorten={template.shorten!r}, max_turn_chars="
                        f"{template.max_turn_chars})`, fingerprint {template.fingerprint()[:12]}",
-        "context_note": context_note, "n_forward_passes": int(ext.n_forward_passes_),
+        "context_note": context_note, "n_forward_passes": int(ext.run_stats["n_forward_passes"]),
         "record_ids": [c.record_id for c in convs], "y_true": [int(v) for v in y],
         "task_ids": [str(g) for g in groups],
     }
