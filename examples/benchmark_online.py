@@ -357,7 +357,7 @@ def main(argv=None):
     A = ext.transform(convs)
     times["extraction"] = time.perf_counter() - t
     print(f"extraction: {A} in {times['extraction']:.0f}s, forward passes "
-          f"{ext.run_stats["n_forward_passes"]}", flush=True)
+          f"{ext.run_stats['n_forward_passes']}", flush=True)
     if args.extract_only:
         return {"n_forward_passes": ext.run_stats["n_forward_passes"]}
 
