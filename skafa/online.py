@@ -389,6 +389,11 @@ class OnlineAuditor(BaseEstimator):
         self.random_state = random_state
         self.verbose = verbose
 
+    @classmethod
+    def _check_instances(cls):
+        """Instances for :mod:`skafa.utils.estimator_checks` (few tasks: 2 inner folds)."""
+        return [cls(cv=2, random_state=0), cls(target="hazard", cv=2, random_state=0)]
+
     # ------------------------------------------------------------------ helpers
     def _Cs(self):
         Cs = np.asarray(self.Cs, dtype=float).ravel()
@@ -578,22 +583,23 @@ class OnlineAuditor(BaseEstimator):
         return np.asarray([None if s < 0 else X.speakers[X.offsets[i] + s]
                            for i, s in enumerate(steps)], dtype=object)
 
-    def score(self, X, y, sample_weight=None):
+    def score(self, X, y):
         """Exact-F1 of the first alarms against ``y`` (``-1`` = safe run).
 
         Parameters
         ----------
         X : TurnFeatures
         y : array-like of int, shape (n_runs,)
-        sample_weight : None
-            Not supported (Exact-F1 is not a mean over runs).
 
         Returns
         -------
         score : float
+
+        Notes
+        -----
+        Like :meth:`fit`, it takes no ``sample_weight`` (Exact-F1 is not a mean over
+        runs).
         """
-        if sample_weight is not None:
-            raise TypeError("OnlineAuditor.score does not support sample_weight.")
         X = check_turn_features(X, self)
         return exact_f1(_check_online_y(y, X), self.predict(X))
 
@@ -617,7 +623,9 @@ class OnlineAuditor(BaseEstimator):
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         tags.target_tags.required = True
-        tags.input_tags.sparse = True
+        # X is a TurnFeatures (sparse blocks inside it are fine); bare arrays are refused
+        tags.input_tags.two_d_array = False
+        tags.input_tags.sparse = False
         return tags
 
 
