@@ -75,14 +75,16 @@ def _same_array(a, b):
     return np.array_equal(a, b, equal_nan=nan_aware)
 
 
-def _str_list(value, name, *, allow_none_items=False):
+def _str_list(value, name, *, allow_none_items=False, allow_int_items=False):
     """Check a list of strings read from a header (``None`` stays ``None``)."""
     if value is None:
         return None
     ok = isinstance(value, list) and all(
-        isinstance(v, str) or (allow_none_items and v is None) for v in value)
+        isinstance(v, str) or (allow_none_items and v is None)
+        or (allow_int_items and type(v) is int) for v in value)
     if not ok:
-        what = "strings or nulls" if allow_none_items else "strings"
+        what = ("strings, ints or nulls" if allow_int_items else
+                "strings or nulls" if allow_none_items else "strings")
         raise ValueError(f"header field {name!r} must be null or a list of {what}")
     return value
 
@@ -129,7 +131,8 @@ def _contents_from_file(tensors, meta):
         sites=sites,
         feature_names=_str_list(json_field(meta, "feature_names"), "feature_names"),
         speakers=_str_list(json_field(meta, "speakers"), "speakers"),
-        task_ids=_str_list(json_field(meta, "task_ids"), "task_ids", allow_none_items=True),
+        task_ids=_str_list(json_field(meta, "task_ids"), "task_ids", allow_none_items=True,
+                           allow_int_items=True),  # task ids keep their type
     )
     return values, offsets, kwargs
 

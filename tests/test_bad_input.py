@@ -88,7 +88,7 @@ def test_tampered_sparse_index_out_of_range_is_refused(tmp_path):
     (lambda t, m: m.__setitem__("speakers", json.dumps(["a"] * 9)), "speakers"),
     (lambda t, m: m.__setitem__("speakers", json.dumps([1] * 10)), "speakers"),
     (lambda t, m: m.__setitem__("task_ids", json.dumps(["a", "b"])), "task_ids"),
-    (lambda t, m: m.__setitem__("task_ids", json.dumps([1, 2, 3, 4])), "task_ids"),
+    (lambda t, m: m.__setitem__("task_ids", json.dumps([1.5, 2, 3, 4])), "task_ids"),
     (lambda t, m: m.__setitem__("feature_names", json.dumps(["f"] * 5)), "feature"),
     (lambda t, m: m.__setitem__("sites", json.dumps(["a", "b"])), "site"),
     (lambda t, m: m.__setitem__("sites", json.dumps([3])), "site"),
@@ -99,7 +99,7 @@ def test_tampered_sparse_index_out_of_range_is_refused(tmp_path):
     'negative-index', 'indptr-past-end', 'indptr-decreasing', 'indptr-short',
     'indices-short', 'indices-float', 'shape-more-rows', 'shape-3d', 'shape-negative',
     'shape-not-list', 'offsets-decreasing', 'offsets-float', 'speakers-length',
-    'speakers-int', 'task-ids-length', 'task-ids-int', 'feature-names-length',
+    'speakers-int', 'task-ids-length', 'task-ids-float', 'feature-names-length',
     'sites-length', 'sites-int', 'sparse-not-bool', 'extra-tensor', 'speakers-missing',
 ])
 def test_tampered_sparse_structure_is_refused(tmp_path, edit, message):
