@@ -784,8 +784,9 @@ class AuditSession:
         if self._template.shorten == "head_tail":
             contents = [self._template._shorten_text(c, self._template.max_turn_chars)[0]
                         for c in contents]
+        # (text, turn spans, turn last characters); read="last": no read spans
         return _render(self._template, conv, self._tokenizer, contents, self._kwargs,
-                       self._where(len(turns) - 1))
+                       self._where(len(turns) - 1))[:3]
 
     def _feed(self, segment, last_char, line_start, what):
         """Tokenize ``segment``, check the context, run it through the cached model."""

@@ -445,9 +445,9 @@ def test_session_detects_a_template_that_depends_on_later_turns(registered, monk
     real = prompt_module._render
 
     def leaky(template, conversation, *args):
-        text, spans, last = real(template, conversation, *args)
+        text, spans, last, *rest = real(template, conversation, *args)
         shift = len(f"[{len(conversation)}]")
-        return f"[{len(conversation)}]" + text, spans + shift, last + shift
+        return (f"[{len(conversation)}]" + text, spans + shift, last + shift, *rest)
 
     monkeypatch.setattr(prompt_module, "_render", leaky)
     with pytest.raises(RuntimeError, match="changes text before it"):
