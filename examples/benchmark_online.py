@@ -306,6 +306,9 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32")
     p.add_argument("--extract-only", action="store_true",
                    help="fill the activation cache and stop")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the outer fits of <out>/online_<tag>_<subset>.partial.json "
+                        "(same settings) and run only the missing ones")
     p.add_argument("--smoke", action="store_true", help="tiny random model, synthetic runs")
     args = p.parse_args(argv)
     t_all = time.perf_counter()
@@ -390,11 +393,25 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"online_{tag}_{subset}"
 
-    preds, infos, traces = {}, [], []
-    n_fits = 0
+    preds, infos, traces, done = {}, [], [], []
+    partial_path = out_dir / f"{stem}.partial.json"
+    if args.resume and partial_path.exists():
+        old = json.loads(partial_path.read_text())
+        same = ("far_target", "Cs", "probe_sites", "folds", "inner_folds", "repeats",
+                "record_ids", "prompt_note")
+        if any(old.get(key) != result[key] for key in same):
+            raise SystemExit(f"{partial_path} was written with other settings; remove it.")
+        preds = {n: np.asarray(P, dtype=np.int64) for n, P in old["predictions"].items()}
+        infos, traces = old["choices"], old.get("score_traces", [])
+        done = [tuple(d) for d in old.get("done", [])]
+        times["cv_resumed"] = old.get("times", {}).get("cv", 0.0)
+        print(f"resuming: {len(done)} outer fits read from {partial_path}", flush=True)
+    n_fits = len(done)
     for r in range(args.repeats):
         outer = GroupKFold(args.folds, shuffle=True, random_state=r)
         for k, (train, test) in enumerate(outer.split(A, y, groups)):
+            if (r, k) in done:
+                continue
             t = time.perf_counter()
             out = run_outer_fold(convs, A, y, groups, train, test, args)
             times["cv"] = times.get("cv", 0.0) + time.perf_counter() - t
@@ -406,14 +423,16 @@ def main(argv=None):
                         traces.append({"record_id": convs[i].record_id, "y": int(y[i]),
                                        "pred": int(pr), "kind": _kind(y[i], pr), "scores": s})
             n_fits += 1
+            done.append((r, k))
             print(f"repeat {r} fold {k}: " + "; ".join(
                 f"{n}: {i.get('site', '')} C={i.get('C')} thr={i.get('threshold', 0):.3g}"
                 for n, (_, i, _) in out.items()), flush=True)
             # partial results after every outer fit (only completed repeats are scored)
-            result.update(partial=True, outer_fits_done=n_fits,
+            result.update(partial=True, outer_fits_done=n_fits, done=done,
                           predictions={n: P.tolist() for n, P in preds.items()},
-                          choices=infos, times={k2: round(v, 1) for k2, v in times.items()})
-            (out_dir / f"{stem}.partial.json").write_text(json.dumps(result, default=str))
+                          choices=infos, score_traces=traces,
+                          times={k2: round(v, 1) for k2, v in times.items()})
+            partial_path.write_text(json.dumps(result, default=str))
 
     summary = {name: summarise(P, y, convs, groups, n_resamples=args.n_resamples, seed=0)
                for name, P in preds.items()}
@@ -431,13 +450,14 @@ def main(argv=None):
     choices_note += "; mean inner (out-of-fold) FAR at the chosen threshold: " + ", ".join(
         f"{m} {100 * v:.1f}%" for m, v in oof.items())
     times["total"] = time.perf_counter() - t_all
+    result.pop("done", None)
+    result.pop("outer_fits_done", None)
     result.update(partial=False, summary=summary, choices_note=choices_note,
                   score_traces=traces, times={k: round(v, 1) for k, v in times.items()},
                   predictions={n: P.tolist() for n, P in preds.items()}, choices=infos)
     (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
-    partial = out_dir / f"{stem}.partial.json"
-    if partial.exists():
-        partial.unlink()
+    if partial_path.exists():
+        partial_path.unlink()
     md = markdown(result)
     png = plot(result, out_dir / f"{stem}_scores.png")
     if png:

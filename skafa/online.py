@@ -329,7 +329,9 @@ class OnlineAuditor(BaseEstimator):
     result being used) still counts. Its weakness is that the first crossing can
     come late. The hazard form asks the sharper question "is this the turn?" and
     learns from fewer rows; which works better is an empirical question
-    (``examples/benchmark_online.py`` compares them).
+    (``examples/benchmark_online.py`` compares them). On Who&When
+    Algorithm-Generated with SmolLM2 the hazard form did better (Exact-F1 19.3 vs
+    11.1 at a 0.2 target, 11.0 vs 8.7 at 0.05; ``docs/benchmarks.md``), so try both.
 
     **Calibration.** The threshold is chosen on out-of-fold scores of the inner
     folds and then applied to the model refitted on all runs, whose scores can be

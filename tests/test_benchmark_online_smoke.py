@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -46,6 +47,17 @@ def test_benchmark_online_smoke(tmp_path):
     # a second run reads the activation cache: no forward pass
     again = bench.main(["--smoke", "--extract-only", "--cache-dir", str(tmp_path / "cache")])
     assert again["n_forward_passes"] == 0
+    # --resume reuses finished outer fits: with all of them recorded, none is refitted
+    partial = dict(saved, done=[[0, 0], [0, 1]], choices=saved["choices"])
+    (out / "online_smoke_synthetic.partial.json").write_text(json.dumps(partial))
+    resumed = bench.main(["--smoke", "--resume", "--out", str(out),
+                          "--cache-dir", str(tmp_path / "cache")])
+    assert resumed["summary"] == result["summary"] and resumed["times"].get("cv", 0.0) == 0.0
+    partial["far_target"] = 0.5
+    (out / "online_smoke_synthetic.partial.json").write_text(json.dumps(partial))
+    with pytest.raises(SystemExit, match="other settings"):
+        bench.main(["--smoke", "--resume", "--out", str(out),
+                    "--cache-dir", str(tmp_path / "cache")])
 
 
 def test_benchmark_streaming_smoke(tmp_path):
