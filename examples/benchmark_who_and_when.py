@@ -345,10 +345,12 @@ def make_stacker(extractor, probe_sites, inner):
                             cv=GroupKFold(inner))
 
 
-def prereg_outer_fold(convs, feats, extractors, y, groups, train, test, args, timer):
-    """Every pre-registered configuration on one outer fit, and the auto choice.
+def prereg_read_fold(read, convs, A, extractor, y, groups, train, test, args, timer,
+                     names=None):
+    """The pre-registered configurations of one read on one outer fit.
 
-    Returns {name: (test predictions, inner score or None, info)}.
+    ``names``: the configuration names to compute (default: all of this read's).
+    Returns {name: (test predictions, inner score, info)}.
     """
     from sklearn.model_selection import cross_val_score
 
@@ -359,32 +361,71 @@ def prereg_outer_fold(convs, feats, extractors, y, groups, train, test, args, ti
     kw = dict(inner=args.inner_folds, n_jobs=args.n_jobs, random_state=0)
     pos = TurnPositionTransformer().fit(ctr)
     Ptr, Pte = pos.transform(ctr), pos.transform(cte)
-    for read in args.reads:
-        A = feats[read]
-        blocks = {"acts": (A[train], A[test])}
-        blocks["acts+pos"] = tuple(TurnFeatures.concatenate([a, p], prefixes=["act", "pos"])
-                                   for a, p in zip(blocks["acts"], (Ptr, Pte)))
-        for pid, kind, Cs, n_sites, fset in PREREG_PROBES:
-            t = time.perf_counter()
-            Xtr, Xte = blocks[fset]
-            C, sel, score = select_C_and_site(Xtr, ytr, gtr, Cs=Cs, sites=args.probe_sites,
-                                              estimator=kind, n_sites=n_sites, **kw)
-            sites = list(getattr(sel, "best_sites_", [sel.best_site_]))
-            out[f"{read}: {pid}"] = (sel.predict(Xte), score,
-                                     {"C": C, "sites": sites})
-            timer.add(f"cv {kind}", time.perf_counter() - t)
-        if not args.no_stack:
-            t = time.perf_counter()
-            stk = make_stacker(extractors[read], args.probe_sites, args.inner_folds)
-            inner = cross_val_score(stk, ctr, ytr, groups=gtr, cv=GroupKFold(args.inner_folds),
-                                    params={"groups": gtr})
-            stk.fit(ctr, ytr, groups=gtr)
-            out[f"{read}: {STACK_ID}"] = (stk.predict(cte), float(np.mean(inner)), {})
-            timer.add("cv stack", time.perf_counter() - t)
-    order = [n for n in prereg_names(args.reads) if n in out]
-    best = max(order, key=lambda n: (out[n][1], -order.index(n)))
-    out[AUTO] = (out[best][0], None, {"chosen": best, "inner_score": out[best][1]})
+    blocks = {"acts": (A[train], A[test])}
+    blocks["acts+pos"] = tuple(TurnFeatures.concatenate([a, p], prefixes=["act", "pos"])
+                               for a, p in zip(blocks["acts"], (Ptr, Pte)))
+    for pid, kind, Cs, n_sites, fset in PREREG_PROBES:
+        name = f"{read}: {pid}"
+        if names is not None and name not in names:
+            continue
+        t = time.perf_counter()
+        Xtr, Xte = blocks[fset]
+        C, sel, score = select_C_and_site(Xtr, ytr, gtr, Cs=Cs, sites=args.probe_sites,
+                                          estimator=kind, n_sites=n_sites, **kw)
+        sites = list(getattr(sel, "best_sites_", [sel.best_site_]))
+        out[name] = (sel.predict(Xte), score, {"C": C, "sites": sites})
+        timer.add(f"cv {kind}", time.perf_counter() - t)
+    name = f"{read}: {STACK_ID}"
+    if not args.no_stack and (names is None or name in names):
+        t = time.perf_counter()
+        stk = make_stacker(extractor, args.probe_sites, args.inner_folds)
+        inner = cross_val_score(stk, ctr, ytr, groups=gtr, cv=GroupKFold(args.inner_folds),
+                                params={"groups": gtr})
+        stk.fit(ctr, ytr, groups=gtr)
+        out[name] = (stk.predict(cte), float(np.mean(inner)), {})
+        timer.add("cv stack", time.perf_counter() - t)
     return out
+
+
+def prereg_auto(out, reads):
+    """Rule step 1: the configuration with the highest inner score (ties: the order)."""
+    order = [n for n in prereg_names(reads) if n in out]
+    best = max(order, key=lambda n: (out[n][1], -order.index(n)))
+    return (out[best][0], None, {"chosen": best, "inner_score": out[best][1]})
+
+
+class PartialStore:
+    """Finished (read, repeat, fold) results on disk, so a killed run resumes.
+
+    One JSON file per read next to the results; each holds a signature of every
+    setting the results depend on and is rewritten atomically after each outer fit.
+    Several processes may fill different reads at the same time.
+    """
+
+    def __init__(self, path, signature):
+        self.path, self.signature = Path(path), signature
+        self.entries = {}
+        if self.path.exists():
+            old = json.loads(self.path.read_text())
+            if old.get("signature") != signature:
+                raise SystemExit(f"{self.path} was written with other settings "
+                                 "(model, prompt, sites, folds or records); remove it.")
+            self.entries = old["entries"]
+
+    def get(self, r, k):
+        got = self.entries.get(f"{r}|{k}", {})
+        return {n: (np.asarray(v["pred"], dtype=np.int64), v["score"], v["info"])
+                for n, v in got.items()}
+
+    def put(self, r, k, out):
+        entry = self.entries.setdefault(f"{r}|{k}", {})
+        for n, (pred, score, info) in out.items():
+            entry[n] = {"pred": np.asarray(pred).astype(int).tolist(), "score": score,
+                        "info": info}
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"signature": self.signature, "entries": self.entries},
+                                  default=str))
+        os.replace(tmp, self.path)
 
 
 def _shortened_for_peer(conv, tokenizer, template):
@@ -582,15 +623,39 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
             peer["cost"] = peer_cost(args, convs, template, ext_m, peer_convs)
 
     names = prereg_names(args.reads)
+    stores = {}
+    if args.resume:
+        stem = f"prereg_{tag}_{subset_label}"
+        for read in args.reads:
+            sig = {"model": extractors[read].model_identity_, "read": read,
+                   "prompt": template.fingerprint(), "budget": budget,
+                   "sites": probe_sites, "probes": [list(map(str, p)) for p in PREREG_PROBES],
+                   "stack": STACK_ID, "folds": args.folds, "inner_folds": args.inner_folds,
+                   "dtype": str(args.dtype), "record_ids": [c.record_id for c in convs],
+                   "y": [int(v) for v in y]}
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            stores[read] = PartialStore(Path(args.out) / f"{stem}.partial-{read}.json",
+                                        json.loads(json.dumps(sig, default=str)))
     preds, infos = {}, []
     for r in range(args.repeats):
         outer = GroupKFold(args.folds, shuffle=True, random_state=r)
         rep = {}
         for k, (train, test) in enumerate(outer.split(A0, y, groups)):
             t0 = time.perf_counter()
-            out = {n: (p, {**info, "inner_score": s})
-                   for n, (p, s, info) in prereg_outer_fold(
-                       convs, feats, extractors, y, groups, train, test, args, timer).items()}
+            fold = {}
+            for read in args.reads:
+                want = [n for n in names if n.startswith(f"{read}: ")
+                        and not (args.no_stack and n.endswith(STACK_ID))]
+                done = stores[read].get(r, k) if read in stores else {}
+                todo = [n for n in want if n not in done]
+                new = (prereg_read_fold(read, convs, feats[read], extractors[read], y, groups,
+                                        train, test, args, timer, names=todo)
+                       if todo else {})
+                if new and read in stores:
+                    stores[read].put(r, k, new)
+                fold.update({n: (done.get(n) or new[n]) for n in want})
+            fold[AUTO] = prereg_auto(fold, args.reads)
+            out = {n: (p, {**info, "inner_score": s}) for n, (p, s, info) in fold.items()}
             out.update(baseline_fold(convs, y, groups, train, test, args, judge_pred))
             if peer is not None:
                 out["mi4afa ProbeAttributor (ag2 1.2.1)"] = mi4afa_fold(ext_m, m_acts,
@@ -723,9 +788,10 @@ def main(argv=None):
     p.add_argument("--inner-folds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--Cs", type=float, nargs="+", default=[0.001, 0.01, 0.1])
-    p.add_argument("--sites", default="all",
+    p.add_argument("--sites", default=None,
                    help="sites the probes search: 'all' (2L+1), 'stride:K' (every K-th "
-                        "resid_pre layer + resid_final) or a comma-separated list")
+                        "resid_pre layer + resid_final) or a comma-separated list; default "
+                        "'all', and 'stride:3' with --preregistered (section 3)")
     p.add_argument("--read", choices=["last", "mean", "recap", "echo"], default="last",
                    help="turn vector: last token of the turn, mean over the turn's line, "
                         "the turn's recap line after the transcript, or the turn in a "
@@ -753,7 +819,13 @@ def main(argv=None):
                    "interleaved and uncached (0: skip)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny random model + synthetic conversations (seconds; for CI)")
+    p.add_argument("--resume", action="store_true",
+                   help="with --preregistered: keep each finished (read, outer fit) in "
+                        "<out>/prereg_<tag>_<subset>.partial-<read>.json and reuse it")
     args = p.parse_args(argv)
+    if args.sites is None:
+        # the tiny --smoke model has too few layers for stride:3 and top-3 sites
+        args.sites = "stride:3" if args.preregistered and not args.smoke else "all"
     if args.n_jobs is None:
         args.n_jobs = -1 if args.scheduler else 1
     with dask_backend(args.scheduler):

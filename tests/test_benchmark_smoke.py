@@ -99,3 +99,29 @@ def test_preregistered_benchmark_smoke(tmp_path):
     assert result["mi4afa"]["cost"]["skafa"]["n"] == 1
     md = (tmp_path / "out" / "prereg_smoke_synthetic.md").read_text()
     assert bench.AUTO in md and "fixed configuration: recap: stack" in md
+
+
+def test_preregistered_benchmark_resume(tmp_path):
+    """--resume keeps each finished (read, outer fit) and a re-run reuses it exactly."""
+    bench = _load()
+    argv = ["--smoke", "--preregistered", "--reads", "last", "--no-mi4afa", "--no-stack",
+            "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"),
+            "--resume"]
+    first = bench.main(argv)
+    partial = tmp_path / "out" / "prereg_smoke_synthetic.partial-last.json"
+    stored = json.loads(partial.read_text())
+    assert sorted(stored["entries"]) == ["0|0", "0|1"]
+    assert len(stored["entries"]["0|0"]) == 8          # configurations 1-8 of one read
+    # tamper with one stored prediction: the re-run must reuse it, not recompute it
+    entry = stored["entries"]["0|0"]["last: logistic/single/acts"]
+    assert any(entry["pred"])
+    entry["pred"] = [0] * len(entry["pred"])
+    partial.write_text(json.dumps(stored))
+    second = bench.main(argv)
+    a = np.asarray(first["predictions"]["last: logistic/single/acts"])
+    b = np.asarray(second["predictions"]["last: logistic/single/acts"])
+    assert (a != b).any()                              # the stored (tampered) fit was used
+    assert second["predictions"]["TF-IDF"] == first["predictions"]["TF-IDF"]
+    # other settings: refused, not mixed in
+    with pytest.raises(SystemExit, match="other settings"):
+        bench.main([*argv, "--sites", "resid_final"])
