@@ -164,6 +164,44 @@ def summarise(P, y, convs, groups, *, n_resamples, seed):
     return rows
 
 
+#: Online metrics compared pairwise (method minus position-only, same folds and resamples).
+PAIRED = {"Exact-F1": ("b", M.exact_f1), "Step-Acc": ("a", M.online_step_accuracy),
+          "FAR": ("b", M.false_alarm_rate)}
+#: The baseline every auditor is compared with.
+POSITION = "position-only auditor (cumulative)"
+
+
+def paired(PA, PB, y, groups, *, n_resamples, seed):
+    """Paired cluster-bootstrap difference ``metric(A) - metric(B)`` on the same resamples.
+
+    ``PA`` and ``PB``: first alarms, shape (R, n), from the same outer folds.
+    """
+    R = PA.shape[0]
+    both = np.concatenate([PA.T, PB.T], axis=1)  # (n, 2R): A's repeats, then B's
+    out = {}
+    for name, (protocol, metric) in PAIRED.items():
+        yt, pt, gt = (y, both, groups) if protocol == "a" else safe_prefix_protocol(
+            y, both, groups)
+        f = _over_repeats(metric)
+
+        def diff(t, p, f=f):
+            p = np.asarray(p)
+            return f(t, p[:, :R]) - f(t, p[:, R:])
+
+        out[name] = _res(M.bootstrap_ci(yt, pt, diff, n_resamples=n_resamples,
+                                        random_state=seed, groups=gt))
+    return out
+
+
+def paired_rows(preds, y, groups, *, n_resamples, seed):
+    """Every online auditor minus the position-only auditor."""
+    if POSITION not in preds:
+        return {}
+    return {f"{m} - {POSITION}": paired(np.asarray(preds[m]), np.asarray(preds[POSITION]),
+                                        y, groups, n_resamples=n_resamples, seed=seed)
+            for m in preds if m != POSITION and "offline" not in m}
+
+
 # ---------------------------------------------------------------------- reports
 def fmt(r, pct=True):
     if r is None or not np.isfinite(r["estimate"]):
@@ -199,6 +237,13 @@ def markdown(result):
             f"| {k} | {fmt(f1)} | {fmt(far)} | {fmt(r['Step-Acc'])} | "
             f"{fmt(r['ASS'], pct=False)} | {fmt(r['delay'], pct=False)} | "
             f"{fmt(r['early share'])} | {fmt(r['miss rate'])} | {fmt(r['Agent-Acc'])} |")
+    if result.get("paired"):
+        lines += ["", "| paired difference (same folds, same resamples) | Exact-F1 points (b) | "
+                  "Step-Acc points (a) | FAR points (b) |", "|---|---|---|---|"]
+        for k, r in result["paired"].items():
+            lines.append("| " + k + " | " + " | ".join(
+                f"{100 * r[m]['estimate']:+.1f} [{100 * r[m]['low']:+.1f}, "
+                f"{100 * r[m]['high']:+.1f}]" for m in PAIRED) + " |")
     lines += ["", "(a) failed runs audited prefix by prefix; (b) the same runs plus, for "
               "each, the safe run made by cutting it just before its decisive step. The "
               "offline bound sees the whole run and always names a step, so it has no FAR "
@@ -310,18 +355,23 @@ def main(argv=None):
                    help="reuse the outer fits of <out>/online_<tag>_<subset>.partial.json "
                         "(same settings) and run only the missing ones")
     p.add_argument("--smoke", action="store_true", help="tiny random model, synthetic runs")
+    p.add_argument("--rescore", metavar="JSON", default=None,
+                   help="recompute the tables (CIs and paired differences) of a finished "
+                        "result file from its stored predictions; no model, no fit")
     args = p.parse_args(argv)
+    if args.rescore:
+        return rescore(Path(args.rescore), n_resamples=args.n_resamples)
     t_all = time.perf_counter()
     times = {}
 
     if args.smoke:
         from skafa.models import register_model
-        from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
+        from skafa.testing import make_tiny_llama, make_tiny_tokenizer
 
         register_model("tiny-llama-online", make_tiny_llama(n_layers=2), make_tiny_tokenizer(),
                        overwrite=True)
         args.model, args.tag, subset = "tiny-llama-online", args.tag or "smoke", "synthetic"
-        convs = make_conversations(40, min_turns=3, max_turns=6, seed=0)
+        convs = smoke_conversations()
         args.folds, args.inner_folds, args.repeats = 2, 2, 1
         args.Cs, args.n_resamples, args.max_prompt_tokens, args.far = [0.1], 200, 512, 0.2
         args.sites = "all"
@@ -452,6 +502,8 @@ def main(argv=None):
     times["total"] = time.perf_counter() - t_all
     result.pop("done", None)
     result.pop("outer_fits_done", None)
+    result["paired"] = paired_rows({n: np.asarray(P) for n, P in preds.items()}, y, groups,
+                                   n_resamples=args.n_resamples, seed=0)
     result.update(partial=False, summary=summary, choices_note=choices_note,
                   score_traces=traces, times={k: round(v, 1) for k, v in times.items()},
                   predictions={n: P.tolist() for n, P in preds.items()}, choices=infos)
@@ -463,6 +515,43 @@ def main(argv=None):
     if png:
         md += f"\n![per-turn alarm scores]({Path(png).name})\n"
     (out_dir / f"{stem}.md").write_text(md)
+    print(md)
+    return result
+
+
+def smoke_conversations():
+    """The synthetic runs of ``--smoke``."""
+    from skafa.testing import make_conversations
+
+    return make_conversations(40, min_turns=3, max_turns=6, seed=0)
+
+
+def rescore(path, *, n_resamples):
+    """Recompute the summary and paired differences of ``path`` from its predictions."""
+    result = json.loads(path.read_text())
+    if result.get("partial"):
+        raise SystemExit(f"{path} is a partial result; finish the run (--resume) first.")
+    y = np.asarray(result["y_true"], dtype=np.int64)
+    groups = np.asarray(result["task_ids"], dtype=object)
+    preds = {n: np.asarray(P, dtype=np.int64) for n, P in result["predictions"].items()}
+    if any(P.shape != (result["repeats"], len(y)) for P in preds.values()):
+        raise SystemExit(f"{path}: predictions do not match y_true and repeats.")
+    data = None if result["subset"] == "synthetic" else skafa.load_who_and_when(
+        os.environ.get("SKAFA_WHO_AND_WHEN",
+                       str(REPO.parent / "shared" / "data" / "who_and_when")),
+        subset=result["subset"])
+    by_id = {c.record_id: c for c in (smoke_conversations() if result["subset"] == "synthetic"
+                                      else data.conversations)}
+    convs = [by_id[r] for r in result["record_ids"]]
+    result["summary"] = {n: summarise(P, y, convs, groups, n_resamples=n_resamples, seed=0)
+                         for n, P in preds.items()}
+    result["paired"] = paired_rows(preds, y, groups, n_resamples=n_resamples, seed=0)
+    path.write_text(json.dumps(result, indent=1, default=str))
+    md = markdown(result)
+    png = path.with_name(path.stem + "_scores.png")
+    if png.exists():
+        md += f"\n![per-turn alarm scores]({png.name})\n"
+    path.with_suffix(".md").write_text(md)
     print(md)
     return result
 

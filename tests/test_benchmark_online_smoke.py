@@ -66,3 +66,26 @@ def test_benchmark_streaming_smoke(tmp_path):
     assert result["n_turns"] > 0 and result["ratio"] > 0
     assert result["max_abs_diff"] < 1e-3  # streamed vectors equal re-read vectors
     assert result["tokens_streamed"] < result["tokens_reread"]
+
+
+def test_benchmark_online_paired_and_rescore(tmp_path):
+    """Paired differences use the same resamples; --rescore rebuilds the tables exactly."""
+    bench = _load("benchmark_online")
+    out = tmp_path / "out"
+    result = bench.main(["--smoke", "--out", str(out), "--cache-dir", str(tmp_path / "cache")])
+    y = np.array(result["y_true"])
+    groups = np.array(result["task_ids"], dtype=object)
+    P = np.array(result["predictions"]["auditor (hazard)"])
+    same = bench.paired(P, P, y, groups, n_resamples=50, seed=0)
+    assert all(r == {"estimate": 0.0, "low": 0.0, "high": 0.0} for r in same.values())
+    key = f"auditor (hazard) - {bench.POSITION}"
+    s = result["summary"]
+    for metric in ("Exact-F1", "Step-Acc", "FAR"):
+        want = s["auditor (hazard)"][metric]["estimate"] - s[bench.POSITION][metric]["estimate"]
+        assert result["paired"][key][metric]["estimate"] == pytest.approx(want)
+    path = out / "online_smoke_synthetic.json"
+    md_before = (out / "online_smoke_synthetic.md").read_text()
+    again = bench.main(["--rescore", str(path), "--n-resamples", "200"])
+    assert again["summary"] == result["summary"] and again["paired"] == result["paired"]
+    assert (out / "online_smoke_synthetic.md").read_text() == md_before
+    assert "paired difference" in md_before
