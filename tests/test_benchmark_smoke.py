@@ -125,3 +125,24 @@ def test_preregistered_benchmark_resume(tmp_path):
     # other settings: refused, not mixed in
     with pytest.raises(SystemExit, match="other settings"):
         bench.main([*argv, "--sites", "resid_final"])
+
+
+@pytest.mark.parametrize("estimator", ["logistic", "softmax"])
+def test_shared_single_and_top_equals_separate_selection(estimator):
+    """The benchmark fits configurations 1/3 (and 5/7 ...) together: same result as apart."""
+    from test_selection import make_sites
+
+    bench = _load()
+    X, y = make_sites(60, n_sites=5, signal=1.0, seed=3)
+    groups = np.asarray(X.task_ids, dtype=object)
+    train, test = np.arange(45), np.arange(45, 60)
+    Xtr, Xte, ytr = X[train], X[test], y[train]
+    kw = dict(Cs=(0.01, 0.1, 1.0), sites=None, inner=3, n_jobs=1, random_state=0,
+              estimator=estimator)
+    shared = bench.select_single_and_top(Xtr, ytr, groups[train], Xte, n_sites=3, **kw)
+    for k in (1, 3):
+        C, sel, score = bench.select_C_and_site(Xtr, ytr, groups[train], n_sites=k, **kw)
+        pred, s, info = shared[k]
+        assert (C, score) == (info["C"], s)
+        assert info["sites"] == list(getattr(sel, "best_sites_", [sel.best_site_]))[:k]
+        np.testing.assert_array_equal(pred, sel.predict(Xte))
