@@ -515,15 +515,22 @@ def mi4afa_setup(model, tokenizer, convs, template, layers, n_layers):
 
 
 def mi4afa_activations(extractor, peer_convs, cache_dir, model_key):
-    """mi4afa's activations for every conversation, cached as safetensors by content."""
+    """mi4afa's activations for every conversation, cached as safetensors by content.
+
+    Returns ``(activations, seconds spent now, seconds of every record's first
+    extraction)``: each cache file records how long its forward pass took.
+    """
     import torch
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     from ag2.extensions.mi4afa.activations import ConversationActivations
 
-    out, seconds = [], 0.0
+    from tqdm.auto import tqdm
+
+    out, seconds, recorded = [], 0.0, 0.0
     folder = Path(cache_dir) / "mi4afa" if cache_dir else None
-    for pc in peer_convs:
+    for pc in tqdm(peer_convs, desc="mi4afa: extracting activations", unit="conv"):
         key = hashlib.sha256(json.dumps({
             "model": model_key, "sites": [str(s) for s in extractor.sites],
             "conv": [pc.question, pc.ground_truth, [[t.name, t.content] for t in pc.history]],
@@ -531,16 +538,21 @@ def mi4afa_activations(extractor, peer_convs, cache_dir, model_key):
         path = folder / f"{key}.safetensors" if folder else None
         if path is not None and path.exists():
             values = load_file(str(path))["values"]
+            with safe_open(str(path), framework="pt") as f:  # seconds of the first run
+                recorded += float((f.metadata() or {}).get("seconds", "nan"))
             out.append(ConversationActivations(pc, tuple(extractor.sites), values))
             continue
         t = time.perf_counter()
         acts = extractor.extract(pc)
-        seconds += time.perf_counter() - t
+        took = time.perf_counter() - t
+        seconds += took
+        recorded += took
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            save_file({"values": acts.values.to(torch.float32).contiguous()}, str(path))
+            save_file({"values": acts.values.to(torch.float32).contiguous()}, str(path),
+                      metadata={"seconds": f"{took:.3f}"})
         out.append(acts)
-    return out, seconds
+    return out, seconds, recorded
 
 
 def mi4afa_fold(extractor, acts, train, test):
@@ -664,9 +676,16 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
         ext_m, peer_convs, n_extra = mi4afa_setup(model, tokenizer, convs, template, layers, L)
         model_key = json.dumps(extractors[args.reads[0]].model_identity_, sort_keys=True,
                                default=str)
-        m_acts, m_seconds = mi4afa_activations(ext_m, peer_convs, args.cache_dir, model_key)
+        m_acts, m_seconds, m_recorded = mi4afa_activations(ext_m, peer_convs, args.cache_dir,
+                                                           model_key)
         timer.add("extraction mi4afa", time.perf_counter() - t)
-        peer = {"n_shortened_further": int(n_extra), "extraction_seconds_uncached": m_seconds}
+        peer = {"n_shortened_further": int(n_extra), "extraction_seconds_uncached": m_seconds,
+                "extraction_seconds_all_records": round(m_recorded, 1)}
+    if args.extract_only:
+        print(f"extract-only: activations cached ({', '.join(args.reads)}"
+              f"{'' if args.no_mi4afa else ', mi4afa'}); times {timer.t}", flush=True)
+        return {"extract_only": True, "times": dict(timer.t)}
+    if peer is not None:
         if args.peer_n:
             peer["cost"] = peer_cost(args, convs, template, ext_m, peer_convs)
 
@@ -867,6 +886,9 @@ def main(argv=None):
                    "interleaved and uncached (0: skip)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny random model + synthetic conversations (seconds; for CI)")
+    p.add_argument("--extract-only", action="store_true",
+                   help="with --preregistered: fill the activation caches (the reads, "
+                        "the judge, mi4afa) and stop")
     p.add_argument("--resume", action="store_true",
                    help="with --preregistered: keep each finished (read, outer fit) in "
                         "<out>/prereg_<tag>_<subset>.partial-<read>.json and reuse it")

@@ -146,3 +146,21 @@ def test_shared_single_and_top_equals_separate_selection(estimator):
         assert (C, score) == (info["C"], s)
         assert info["sites"] == list(getattr(sel, "best_sites_", [sel.best_site_]))[:k]
         np.testing.assert_array_equal(pred, sel.predict(Xte))
+
+
+def test_preregistered_extract_only_fills_caches(tmp_path):
+    """--extract-only fills skafa's and mi4afa's caches and fits nothing."""
+    pytest.importorskip("ag2.extensions.mi4afa", reason="ag2 (the test extra) not installed")
+    bench = _load()
+    cache = tmp_path / "cache"
+    argv = ["--smoke", "--preregistered", "--reads", "last", "--extract-only",
+            "--out", str(tmp_path / "out"), "--cache-dir", str(cache)]
+    got = bench.main(argv)
+    assert got["extract_only"] and "extraction mi4afa" in got["times"]
+    files = sorted((cache / "mi4afa").glob("*.safetensors"))
+    assert len(files) == 40
+    assert not (tmp_path / "out").exists()            # no fit, no result file
+    from safetensors import safe_open
+
+    with safe_open(str(files[0]), framework="pt") as f:
+        assert float(f.metadata()["seconds"]) > 0
