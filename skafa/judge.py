@@ -50,7 +50,7 @@ from .utils._validation import (
 __all__ = ["PromptedJudge"]
 
 _MODES = ("logprob", "generate")
-_INT_RE = re.compile(r"-?\d+")
+_INT_RE = re.compile(r"-?[0-9]+")  # ASCII digits only, as for mistake_step
 _ASCII_DIGITS = frozenset("0123456789")
 
 
@@ -343,12 +343,14 @@ def parse_step(text, n_steps):
     Returns
     -------
     value : int or None
-        The first integer (``-?\\d+``) found, or None when there is none.
+        The first integer (``-?[0-9]+``, ASCII digits only) found, or None when
+        there is none. An integer of more than 18 digits is no step of any
+        conversation: ``(None, False)`` (Python refuses to parse very long ones).
     ok : bool
         True when an integer was found and lies in ``0..n_steps-1``.
     """
     match = _INT_RE.search(text)
-    if match is None:
+    if match is None or len(match.group().lstrip("-")) > 18:
         return None, False
     value = int(match.group())
     return value, 0 <= value < n_steps
@@ -386,7 +388,7 @@ class PromptedJudge(PersistenceMixin, BaseEstimator):
     cost ``n_steps`` of them).
 
     In ``mode="generate"`` the model greedily writes up to ``max_new_tokens``
-    tokens after ``answer_prefix``; the first integer (``-?\\d+``) in that text is
+    tokens after ``answer_prefix``; the first integer (``-?[0-9]+``) in that text is
     its answer. A missing or out-of-range integer is a *parse failure*: the
     prediction then falls back to step 0 (the first turn), and
     :meth:`generate_report` flags it.

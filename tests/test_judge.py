@@ -168,6 +168,16 @@ def test_parse_step():
     assert parse_step("", 1) == (None, False)
 
 
+def test_parse_step_ascii_digits_and_huge_numbers():
+    # non-ASCII digits are not steps (int() would read "\u0663" as 3)
+    assert parse_step("Step \u0663", 5) == (None, False)
+    assert parse_step("Step \uff12 or 1", 5) == (1, True)
+    # a 5,000-digit number used to raise ValueError (int's digit limit); now no step
+    assert parse_step("9" * 5000, 5) == (None, False)
+    assert parse_step("-" + "9" * 19, 5) == (None, False)
+    assert parse_step("9" * 18, 5) == (int("9" * 18), False)
+
+
 @pytest.mark.parametrize("name", [LLAMA, FORCED])
 def test_generate_report_flags_match_manual_parse(tiny, convs, name):
     judge = PromptedJudge(name, mode="generate", max_new_tokens=4).fit(convs)
