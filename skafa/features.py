@@ -31,6 +31,11 @@ _FORMAT = "skafa.TurnFeatures/1"
 _NUMERIC = "biuf"  # dtype kinds a TurnFeatures may hold (bool, ints, floats)
 
 
+#: Column count a sparse TurnFeatures file may claim (TF-IDF vocabularies are far
+#: smaller); a hostile header must not make a later fit allocate a huge coefficient array.
+MAX_SPARSE_COLUMNS = 2**26
+
+
 def _check_csr_parts(data, indices, indptr, shape):
     """Raise ``ValueError`` unless the parts form a valid CSR matrix of ``shape``.
 
@@ -39,6 +44,11 @@ def _check_csr_parts(data, indices, indptr, shape):
     parts are checked in full here, in O(nnz).
     """
     n_rows, n_cols = shape
+    if n_cols > MAX_SPARSE_COLUMNS:
+        raise ValueError(f"the header says {n_cols:,} columns, more than "
+                         f"skafa.features.MAX_SPARSE_COLUMNS ({MAX_SPARSE_COLUMNS:,}); a "
+                         "probe would allocate that many coefficients. Raise the limit "
+                         "if the file is yours.")
     for name, arr in (("sparse_data", data), ("sparse_indices", indices),
                       ("sparse_indptr", indptr)):
         if arr.ndim != 1:

@@ -81,6 +81,7 @@ def test_tampered_sparse_index_out_of_range_is_refused(tmp_path):
      "dtype"),
     (lambda t, m: m.__setitem__("shape", "[11, 6]"), "indptr"),
     (lambda t, m: m.__setitem__("shape", "[10, 6, 1]"), "shape"),
+    (lambda t, m: m.__setitem__("shape", "[10, 1000000000000000]"), "MAX_SPARSE_COLUMNS"),
     (lambda t, m: m.__setitem__("shape", "[10, -6]"), "shape"),
     (lambda t, m: m.__setitem__("shape", '"10"'), "shape"),
     (lambda t, m: t.__setitem__("offsets", np.array([0, 3, 2, 8, 10])), "offsets"),
@@ -97,7 +98,8 @@ def test_tampered_sparse_index_out_of_range_is_refused(tmp_path):
     (lambda t, m: m.pop("speakers"), "speakers"),
 ], ids=[
     'negative-index', 'indptr-past-end', 'indptr-decreasing', 'indptr-short',
-    'indices-short', 'indices-float', 'shape-more-rows', 'shape-3d', 'shape-negative',
+    'indices-short', 'indices-float', 'shape-more-rows', 'shape-3d', 'shape-huge-columns',
+    'shape-negative',
     'shape-not-list', 'offsets-decreasing', 'offsets-float', 'speakers-length',
     'speakers-int', 'task-ids-length', 'task-ids-float', 'feature-names-length',
     'sites-length', 'sites-int', 'sparse-not-bool', 'extra-tensor', 'speakers-missing',
