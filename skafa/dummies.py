@@ -24,7 +24,13 @@ from .utils._sklearn_compat import (
     _check_sample_weight,
     _fit_context,
 )
-from .utils._validation import check_conversations, check_steps, check_turn_features
+from .utils._validation import (
+    agents_at,
+    check_conversations,
+    check_steps,
+    check_turn_features,
+    mean_hits,
+)
 
 __all__ = ["DummyStepClassifier"]
 
@@ -221,10 +227,7 @@ class DummyStepClassifier(BaseEstimator):
         agents : ndarray of object, shape (n_conversations,)
         """
         steps = self.predict(X)
-        if isinstance(X, TurnFeatures):
-            return X.speakers_at(steps)
-        convs = list(X)
-        return np.asarray([c.turns[s].speaker for c, s in zip(convs, steps)], dtype=object)
+        return agents_at(X if isinstance(X, TurnFeatures) else list(X), steps)
 
     def turn_predict_proba(self, X):
         """Probability that each turn is the predicted one.
@@ -285,10 +288,7 @@ class DummyStepClassifier(BaseEstimator):
         """
         steps = self.predict(X)
         y = self._check_y(X, y, self._turn_counts(X))
-        if sample_weight is None:
-            return float(np.mean(steps == y))
-        sample_weight = _check_sample_weight(sample_weight, np.empty(y.size))
-        return float(np.average(steps == y, weights=sample_weight))
+        return mean_hits(steps == y, sample_weight)
 
     def expected_accuracy(self, X, y):
         """Expected step accuracy over the strategy's randomness.

@@ -46,7 +46,7 @@ from .probes import GroupedArgmaxLogisticClassifier
 from .selection import _check_site_cv, _grouped_splits, _resolve_sites
 from .utils._grouped import grouped_argmax
 from .utils._sklearn_compat import Interval, StrOptions, _fit_context
-from .utils._validation import check_finite_rows, check_turn_features, describe
+from .utils._validation import agents_at, check_finite_rows, check_turn_features, describe
 
 __all__ = [
     "OnlineAuditor",
@@ -578,12 +578,7 @@ class OnlineAuditor(BaseEstimator):
         agents : ndarray of object, shape (n_runs,)
         """
         X = check_turn_features(X, self)
-        if X.speakers is None:
-            raise ValueError("X carries no speakers, so the alarmed turns' agents are "
-                             "unknown; build TurnFeatures with speakers=....")
-        steps = self.predict(X)
-        return np.asarray([None if s < 0 else X.speakers[X.offsets[i] + s]
-                           for i, s in enumerate(steps)], dtype=object)
+        return agents_at(X, self.predict(X))
 
     def score(self, X, y):
         """Exact-F1 of the first alarms against ``y`` (``-1`` = safe run).

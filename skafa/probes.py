@@ -39,7 +39,6 @@ from sklearn.preprocessing import StandardScaler
 from sklearn.utils import metadata_routing
 from sklearn.utils.validation import check_is_fitted, has_fit_parameter
 
-from .metrics import step_accuracy
 from .utils._grouped import (
     grouped_argmax,
     grouped_logsumexp,
@@ -54,12 +53,14 @@ from .utils._sklearn_compat import (
     _fit_context,
 )
 from .utils._validation import (
+    agents_at,
     check_feature_names,
     check_finite_rows,
     check_steps,
     check_turn_features,
     describe,
     locate_row,
+    mean_hits,
 )
 
 __all__ = [
@@ -325,13 +326,7 @@ class _BaseGroupedArgmax(BaseEstimator):
         agents : ndarray of object, shape (n_conversations,)
         """
         X = check_turn_features(X, self)
-        if X.speakers is None:
-            raise ValueError(
-                "X carries no speakers, so agents cannot be read off the predicted "
-                "turns; build TurnFeatures with speakers=... (one per turn) or use "
-                "features from skafa.TurnActivationTransformer."
-            )
-        return X.speakers_at(self.predict(X))
+        return agents_at(X, self.predict(X))
 
     def score(self, X, y, sample_weight=None):
         """Step accuracy: fraction of conversations whose decisive step is found.
@@ -349,11 +344,7 @@ class _BaseGroupedArgmax(BaseEstimator):
         """
         X = check_turn_features(X, self)
         y = check_steps(y, X)
-        pred = self.predict(X)
-        if sample_weight is None:
-            return step_accuracy(y, pred)
-        sample_weight = _check_sample_weight(sample_weight, np.empty(len(X)))
-        return float(np.average(pred == y, weights=sample_weight))
+        return mean_hits(self.predict(X) == y, sample_weight)
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()

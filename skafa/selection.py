@@ -40,12 +40,17 @@ from .utils._sklearn_compat import (
     HasMethods,
     Interval,
     StrOptions,
-    _check_sample_weight,
     _fit_context,
     _routing_enabled,
     _safe_indexing,
 )
-from .utils._validation import check_steps, check_turn_features, group_labels
+from .utils._validation import (
+    agents_at,
+    check_steps,
+    check_turn_features,
+    group_labels,
+    mean_hits,
+)
 
 __all__ = ["SiteSelector", "SiteEnsemble", "site_sweep"]
 
@@ -908,12 +913,7 @@ class SiteEnsemble(MetaEstimatorMixin, BaseEstimator):
         agents : ndarray of object, shape (n_conversations,)
         """
         X = check_turn_features(X, self)
-        if X.speakers is None:
-            raise ValueError(
-                "X carries no speakers, so agents cannot be read off the predicted "
-                "turns; build TurnFeatures with speakers=... (one per turn)."
-            )
-        return X.speakers_at(self.predict(X))
+        return agents_at(X, self.predict(X))
 
     def score(self, X, y, sample_weight=None):
         """Step accuracy of the averaged prediction.
@@ -932,11 +932,7 @@ class SiteEnsemble(MetaEstimatorMixin, BaseEstimator):
         """
         X = check_turn_features(X, self)
         y = check_steps(y, X)
-        hits = self.predict(X) == y
-        if sample_weight is None:
-            return float(np.mean(hits))
-        sample_weight = _check_sample_weight(sample_weight, np.empty(len(X)))
-        return float(np.average(hits, weights=sample_weight))
+        return mean_hits(self.predict(X) == y, sample_weight)
 
     def get_metadata_routing(self):
         """Get metadata routing of this object.

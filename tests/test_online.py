@@ -12,7 +12,7 @@ from sklearn.model_selection import GridSearchCV, GroupKFold, KFold, ShuffleSpli
 import skafa
 from skafa import metrics as M
 from skafa.cache import shared_memory_cache
-from skafa.conversation import Conversation, Turn
+from skafa.conversation import Conversation
 from skafa.extraction import TurnActivationTransformer, extract_activations
 from skafa.features import TurnFeatures
 from skafa.models import register_model, unregister_model

@@ -537,3 +537,41 @@ def check_int(value, name, *, minimum, caller):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{caller}: {name} must be an int >= {minimum}, got {value!r}.")
     return int(value)
+
+
+def agents_at(X, steps):
+    """Speaker of turn ``steps[i]`` of every conversation (``None`` where ``steps[i] < 0``).
+
+    The one way estimators read agents off predicted turns: ``X`` is a
+    :class:`~skafa.TurnFeatures` (which must carry ``speakers``) or a list of
+    :class:`~skafa.Conversation`. A negative step ("no alarm") has no speaker.
+    """
+    from skafa.features import TurnFeatures
+
+    steps = np.asarray(steps, dtype=np.int64)
+    if isinstance(X, TurnFeatures):
+        if X.speakers is None:
+            raise ValueError(
+                "X carries no speakers, so agents cannot be read off the predicted "
+                "turns; build TurnFeatures with speakers=... (one per turn) or use "
+                "features from skafa.TurnActivationTransformer."
+            )
+        out = X.speakers_at(np.where(steps >= 0, steps, 0))
+        out[steps < 0] = None
+        return out
+    return np.asarray([None if s < 0 else c.turns[s].speaker for c, s in zip(X, steps)],
+                      dtype=object)
+
+
+def mean_hits(hits, sample_weight=None):
+    """Mean of per-conversation hits, weighted by ``sample_weight`` when given.
+
+    The one weighted-accuracy helper of the ``score`` methods.
+    """
+    from skafa.utils._sklearn_compat import _check_sample_weight
+
+    hits = np.asarray(hits, dtype=float)
+    if sample_weight is None:
+        return float(np.mean(hits))
+    sample_weight = _check_sample_weight(sample_weight, np.empty(hits.size))
+    return float(np.average(hits, weights=sample_weight))
