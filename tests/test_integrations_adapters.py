@@ -244,3 +244,22 @@ def test_adapters_return_labelled_conversations():
     with pytest.raises(ConversationError, match="mistake_step"):
         conversation_from_autogen([{"type": "TextMessage", "source": "a", "content": "x"}],
                                   mistake_step=3)
+
+
+@pytest.mark.parametrize("adapter, unknown", [
+    (conversation_from_autogen, {"type": "FancyEvent", "source": "a", "content": "x"}),
+    (conversation_from_langgraph, {"type": "remove", "id": "x"}),
+])
+def test_message_adapters_share_one_wording(adapter, unknown):
+    """Both message-list adapters check and report through the same helpers."""
+    good = ({"type": "TextMessage", "source": "user", "content": "q"}
+            if adapter is conversation_from_autogen else {"type": "human", "content": "q"})
+    with pytest.raises(ValueError, match="on_unknown must be 'error' or 'skip'"):
+        adapter([good], on_unknown="ignore")
+    with pytest.raises(TypeError, match="must be a list, got dict"):
+        adapter(good)
+    with pytest.warns(UserWarning, match=r"skipped messages of unknown types: .* at \[1\]"
+                      ) as record:
+        conv, idx = adapter([good, unknown], on_unknown="skip", record_id="r1")
+    assert record[0].filename == __file__          # the warning points at the caller
+    assert conv.task == "q" and idx == (0,) and conv.record_id == "r1"

@@ -6,9 +6,11 @@
 from __future__ import annotations
 
 import json
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from ..conversation import Conversation
+from ..conversation import Conversation, ConversationError
 
 __all__ = ["TraceConversation"]
 
@@ -76,3 +78,38 @@ def blocks_text(content: Any) -> str:
                 out.append(as_text(block))
         return "\n".join(out)
     return as_text(content)
+
+
+def get_field(obj: Any, key: str, default: Any = None) -> Any:
+    """``obj[key]`` for a mapping, ``obj.key`` for an object (a message in either form)."""
+    if isinstance(obj, Mapping):
+        return obj.get(key, default)
+    return getattr(obj, key, default)
+
+
+def check_message_list(messages: Any, where: str, on_unknown: str) -> None:
+    """The argument checks every message-list adapter makes, with one wording."""
+    if on_unknown not in ("error", "skip"):
+        raise ValueError(f"on_unknown must be 'error' or 'skip', got {on_unknown!r}.")
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise TypeError(f"{where}: messages must be a list, got {type(messages).__name__}.")
+
+
+def finish_conversation(turns, indices, *, unknown, n_messages, where, task, expected_answer,
+                        source, **labels) -> TraceConversation:
+    """Warn about skipped message types, refuse an empty result, build the conversation.
+
+    ``unknown`` maps each skipped type to its message indices; ``labels`` are the
+    :class:`~skafa.Conversation` keywords ``task_id``, ``mistake_step``,
+    ``mistake_agent`` and ``record_id``; ``source`` goes to its metadata.
+    """
+    if unknown:
+        listed = "; ".join(f"{k} at {v}" for k, v in unknown.items())
+        warnings.warn(f"{where}: skipped messages of unknown types: {listed}.", UserWarning,
+                      stacklevel=3)
+    if not turns:
+        raise ConversationError(f"{where}: none of its {n_messages} messages is a turn.")
+    conv = Conversation(turns, task=task,
+                        expected_answer="" if expected_answer is None else expected_answer,
+                        metadata={"source": source}, **labels)
+    return TraceConversation(conv, tuple(indices))

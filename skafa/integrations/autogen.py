@@ -44,11 +44,8 @@ Any other type is refused (``on_unknown="error"``) or skipped with a warning
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Mapping, Sequence
-
-from ..conversation import Conversation, ConversationError, Turn
-from ._common import TraceConversation, as_text
+from ..conversation import ConversationError, Turn
+from ._common import as_text, check_message_list, finish_conversation, get_field
 
 __all__ = ["conversation_from_autogen"]
 
@@ -59,14 +56,8 @@ _SKIP = {"ModelClientStreamingChunkEvent", "MemoryQueryEvent", "UserInputRequest
          "SelectSpeakerEvent", "SelectorEvent"}
 
 
-def _get(obj, key, default=None):
-    if isinstance(obj, Mapping):
-        return obj.get(key, default)
-    return getattr(obj, key, default)
-
-
 def _type_of(msg):
-    kind = _get(msg, "type")
+    kind = get_field(msg, "type")
     if isinstance(kind, str) and kind:
         return kind
     return type(msg).__name__
@@ -125,10 +116,7 @@ def conversation_from_autogen(
         type (``on_unknown="error"``), or when no message gives a turn.
     """
     where = "AutoGen log" + ("" if record_id is None else f" {record_id!r}")
-    if on_unknown not in ("error", "skip"):
-        raise ValueError(f"on_unknown must be 'error' or 'skip', got {on_unknown!r}.")
-    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
-        raise TypeError(f"{where}: messages must be a list, got {type(messages).__name__}.")
+    check_message_list(messages, where, on_unknown)
     turns, indices, unknown = [], [], {}
     first_user = None
     for i, msg in enumerate(messages):
@@ -142,21 +130,21 @@ def conversation_from_autogen(
                     "does not know; pass on_unknown='skip' to skip such messages.")
             unknown.setdefault(kind, []).append(i)
             continue
-        source = _get(msg, "source")
+        source = get_field(msg, "source")
         if not isinstance(source, str) or not source.strip():
             raise ConversationError(f"{where}: message {i} ({kind}) has no 'source'.")
-        content = _get(msg, "content")
+        content = get_field(msg, "content")
         if kind == "ToolCallRequestEvent":
             for call in content or ():
-                turns.append(Turn(source, f"call {_get(call, 'name')}"
-                                          f"({as_text(_get(call, 'arguments', '{}'))})",
+                turns.append(Turn(source, f"call {get_field(call, 'name')}"
+                                          f"({as_text(get_field(call, 'arguments', '{}'))})",
                                   "tool_call"))
                 indices.append(i)
         elif kind == "ToolCallExecutionEvent":
             for result in content or ():
-                name = _get(result, "name") or "tool"
-                text = as_text(_get(result, "content", ""))
-                if _get(result, "is_error", False):
+                name = get_field(result, "name") or "tool"
+                text = as_text(get_field(result, "content", ""))
+                if get_field(result, "is_error", False):
                     turns.append(Turn(f"tool:{name}", f"error in {name}: {text}",
                                       "tool_error"))
                 else:
@@ -164,24 +152,16 @@ def conversation_from_autogen(
                 indices.append(i)
         else:
             text = _content_text(content)
-            if kind == "HandoffMessage" and _get(msg, "target"):
-                text = f"{text}\n[hands off to {_get(msg, 'target')}]"
+            if kind == "HandoffMessage" and get_field(msg, "target"):
+                text = f"{text}\n[hands off to {get_field(msg, 'target')}]"
             role = "thought" if kind == "ThoughtEvent" else (
                 "user" if source == "user" else "assistant")
             turns.append(Turn(source, text, role))
             indices.append(i)
             if first_user is None and source == "user":
                 first_user = text
-    if unknown:
-        listed = "; ".join(f"{k} at {v}" for k, v in unknown.items())
-        warnings.warn(f"{where}: skipped messages of unknown types: {listed}.", UserWarning,
-                      stacklevel=2)
-    if not turns:
-        raise ConversationError(f"{where}: none of its {len(messages)} messages is a turn.")
-    if task is None:
-        task = first_user or ""
-    conv = Conversation(turns, task=task,
-                        expected_answer="" if expected_answer is None else expected_answer,
-                        task_id=task_id, mistake_step=mistake_step, mistake_agent=mistake_agent,
-                        record_id=record_id, metadata={"source": "autogen-agentchat"})
-    return TraceConversation(conv, tuple(indices))
+    return finish_conversation(
+        turns, indices, unknown=unknown, n_messages=len(messages), where=where,
+        task=first_user or "" if task is None else task, expected_answer=expected_answer,
+        source="autogen-agentchat", task_id=task_id, mistake_step=mistake_step,
+        mistake_agent=mistake_agent, record_id=record_id)

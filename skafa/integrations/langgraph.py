@@ -40,11 +40,16 @@ calls gives no turn.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
-from ..conversation import Conversation, ConversationError, Turn
-from ._common import TraceConversation, as_text, blocks_text
+from ..conversation import ConversationError, Turn
+from ._common import (
+    as_text,
+    blocks_text,
+    check_message_list,
+    finish_conversation,
+    get_field,
+)
 
 __all__ = ["conversation_from_langgraph"]
 
@@ -61,22 +66,16 @@ def _fields(msg):
     return getattr(msg, "type", type(msg).__name__), msg
 
 
-def _get(data, key, default=None):
-    if isinstance(data, Mapping):
-        return data.get(key, default)
-    return getattr(data, key, default)
-
-
 def _tool_calls(data):
     """``(name, arguments text)`` of every tool call of an AI message."""
-    calls = _get(data, "tool_calls") or []
+    calls = get_field(data, "tool_calls") or []
     out = []
     for call in calls:
-        fn = _get(call, "function")
+        fn = get_field(call, "function")
         if fn is not None:  # OpenAI shape: {"function": {"name", "arguments"}}
-            out.append((_get(fn, "name"), as_text(_get(fn, "arguments", "{}"))))
+            out.append((get_field(fn, "name"), as_text(get_field(fn, "arguments", "{}"))))
         else:  # LangChain shape: {"name", "args", "id"}
-            out.append((_get(call, "name"), as_text(_get(call, "args", {}))))
+            out.append((get_field(call, "name"), as_text(get_field(call, "args", {}))))
     return out
 
 
@@ -138,10 +137,7 @@ def conversation_from_langgraph(
     (('human', 'math_agent', 'tool:add'), (0, 1, 2), '2 + 2?')
     """
     where = "LangGraph messages" + ("" if record_id is None else f" {record_id!r}")
-    if on_unknown not in ("error", "skip"):
-        raise ValueError(f"on_unknown must be 'error' or 'skip', got {on_unknown!r}.")
-    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
-        raise TypeError(f"{where}: messages must be a list, got {type(messages).__name__}.")
+    check_message_list(messages, where, on_unknown)
     turns, indices, unknown = [], [], {}
     first_human = None
     for i, msg in enumerate(messages):
@@ -149,9 +145,9 @@ def conversation_from_langgraph(
         kind = str(kind).lower().removesuffix("messagechunk").removesuffix("message")
         if kind.endswith("chunk"):
             kind = kind[: -len("chunk")]
-        name = _get(data, "name")
+        name = get_field(data, "name")
         name = name if isinstance(name, str) and name.strip() else None
-        text = blocks_text(_get(data, "content"))
+        text = blocks_text(get_field(data, "content"))
         if kind == "human":
             turns.append(Turn(name or "human", text, "user"))
             indices.append(i)
@@ -166,13 +162,13 @@ def conversation_from_langgraph(
                 indices.append(i)
         elif kind in ("tool", "function"):
             tool = name or "tool"
-            if _get(data, "status") == "error":
+            if get_field(data, "status") == "error":
                 turns.append(Turn(f"tool:{tool}", f"error in {tool}: {text}", "tool_error"))
             else:
                 turns.append(Turn(f"tool:{tool}", text, "tool"))
             indices.append(i)
         elif kind == "chat":
-            role = _get(data, "role")
+            role = get_field(data, "role")
             speaker = name or (role if isinstance(role, str) and role.strip() else "chat")
             turns.append(Turn(speaker, text, role if isinstance(role, str) else None))
             indices.append(i)
@@ -186,16 +182,8 @@ def conversation_from_langgraph(
                 "does not know; pass on_unknown='skip' to skip such messages.")
         else:
             unknown.setdefault(kind, []).append(i)
-    if unknown:
-        listed = "; ".join(f"{k} at {v}" for k, v in unknown.items())
-        warnings.warn(f"{where}: skipped messages of unknown types: {listed}.", UserWarning,
-                      stacklevel=2)
-    if not turns:
-        raise ConversationError(f"{where}: none of its {len(messages)} messages is a turn.")
-    if task is None:
-        task = first_human or ""
-    conv = Conversation(turns, task=task,
-                        expected_answer="" if expected_answer is None else expected_answer,
-                        task_id=task_id, mistake_step=mistake_step, mistake_agent=mistake_agent,
-                        record_id=record_id, metadata={"source": "langgraph"})
-    return TraceConversation(conv, tuple(indices))
+    return finish_conversation(
+        turns, indices, unknown=unknown, n_messages=len(messages), where=where,
+        task=first_human or "" if task is None else task, expected_answer=expected_answer,
+        source="langgraph", task_id=task_id, mistake_step=mistake_step,
+        mistake_agent=mistake_agent, record_id=record_id)
