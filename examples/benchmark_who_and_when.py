@@ -790,8 +790,8 @@ def prereg_markdown(result):
         "|---|---|---|---|---|---|---|---|",
     ]
     head = [AUTO]
-    base = [k for k in s if not k.startswith("_") and ":" not in k.split(" ")[0]
-            and k != AUTO and k not in result["order"]]
+    # every baseline (position-only, TF-IDF, the dummies, the judge, mi4afa)
+    base = [k for k in s if not k.startswith("_") and k != AUTO and k not in result["order"]]
     fixed = [k for k in result["order"] if k in s]
     for group, keys in (("", head), ("", sorted(base, key=lambda k: -s[k]["step_accuracy"]
                                                 ["estimate"])),

@@ -99,6 +99,9 @@ def test_preregistered_benchmark_smoke(tmp_path):
     assert result["mi4afa"]["cost"]["skafa"]["n"] == 1
     md = (tmp_path / "out" / "prereg_smoke_synthetic.md").read_text()
     assert bench.AUTO in md and "fixed configuration: recap: stack" in md
+    for baseline in ("| position-only |", "| TF-IDF |", "| dummy: first |",
+                     "| mi4afa ProbeAttributor (ag2 1.2.1) |"):
+        assert baseline in md, baseline            # every baseline has its row
 
 
 def test_preregistered_benchmark_resume(tmp_path):
