@@ -753,7 +753,7 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
         "n_conversations": len(convs), "folds": args.folds, "inner_folds": args.inner_folds,
         "repeats": args.repeats, "command": command, "reads": list(args.reads),
         "probe_sites": probe_sites, "budget": budget, "context": ctx,
-        "shortening": notes, "mi4afa": peer,
+        "shortening": notes, "mi4afa": peer, "deviations": prereg_deviations(args),
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python "
                    f"{platform.python_version()}, torch {__import__('torch').__version__}",
         "date": time.strftime("%Y-%m-%d"),
@@ -775,6 +775,30 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
     return result
 
 
+def prereg_deviations(args):
+    """How this run differs from the comparison fixed in docs/benchmarks.md section 3."""
+    out = []
+    missing = [r for r in PREREG_READS if r not in args.reads]
+    if missing:
+        n = len(prereg_names(args.reads)) - (len(args.reads) if args.no_stack else 0)
+        out.append(f"reads {', '.join(missing)} not run: {n} of "
+                   f"{len(prereg_names())} configurations, so the rule chose among these only")
+    elif args.no_stack:
+        out.append("configuration 9 (stacking) not run (--no-stack)")
+    if args.no_judge:
+        out.append("no PromptedJudge row (--no-judge)")
+    if args.no_mi4afa:
+        out.append("no mi4afa row (--no-mi4afa)")
+    if args.sites != "stride:3":
+        out.append(f"sites {args.sites!r} instead of 'stride:3'")
+    if (args.folds, args.inner_folds, args.repeats) != (5, 5, 3):
+        out.append(f"GroupKFold({args.folds}) x {args.repeats} shuffles, inner "
+                   f"GroupKFold({args.inner_folds}) instead of 5 x 3, inner 5")
+    if args.limit:
+        out.append(f"first {args.limit} records only (--limit)")
+    return out
+
+
 def prereg_markdown(result):
     s = result["summary"]
     lines = [
@@ -785,6 +809,9 @@ def prereg_markdown(result):
         f"Prompt budget {result['budget']} tokens (context {result['context']}); "
         + "; ".join(result["shortening"].values()) + ".  ",
         f"Sites searched: {', '.join(result['probe_sites'])}.", "",
+        *([("**Partial run — deviations from section 3:** "
+            + "; ".join(result["deviations"]) + "."), ""] if result.get("deviations") else
+          ["Complete: every configuration and baseline of section 3.", ""]),
         "| method | step acc % [95% CI] | agent acc % (exact) | agent (normalized) | "
         "agent (substring) | within-1 % | mean abs shift | n |",
         "|---|---|---|---|---|---|---|---|",

@@ -102,6 +102,9 @@ def test_preregistered_benchmark_smoke(tmp_path):
     for baseline in ("| position-only |", "| TF-IDF |", "| dummy: first |",
                      "| mi4afa ProbeAttributor (ag2 1.2.1) |"):
         assert baseline in md, baseline            # every baseline has its row
+    # the smoke run leaves out echo and uses other sites and folds: said so
+    assert "Partial run" in md and "reads echo not run: 18 of 27" in md
+    assert "sites 'all' instead of 'stride:3'" in md and "GroupKFold(2) x 1 shuffles" in md
 
 
 def test_preregistered_benchmark_resume(tmp_path):
