@@ -662,7 +662,9 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
     args.probe_sites = probe_sites
 
     judge_pred = None
-    if not args.no_judge:
+    if args.judge_from:
+        judge_pred = judge_from_result(args, convs, template)
+    elif not args.no_judge:
         t = time.perf_counter()
         judge_template = PromptTemplate(shorten="middle_first",
                                         max_prompt_tokens=min(budget, ctx - 16))
@@ -785,7 +787,9 @@ def prereg_deviations(args):
                    f"{len(prereg_names())} configurations, so the rule chose among these only")
     elif args.no_stack:
         out.append("configuration 9 (stacking) not run (--no-stack)")
-    if args.no_judge:
+    if args.judge_from:
+        out.append(getattr(args, "judge_note", f"judge reused from {args.judge_from}"))
+    elif args.no_judge:
         out.append("no PromptedJudge row (--no-judge)")
     if args.no_mi4afa:
         out.append("no mi4afa row (--no-mi4afa)")
@@ -845,6 +849,35 @@ def prereg_markdown(result):
 
 
 # ------------------------------------------------------------------------- main
+def judge_from_result(args, convs, template):
+    """The PromptedJudge's predictions of an earlier result file of this script.
+
+    The judge fits nothing, so its predictions depend only on the model, the prompt
+    and the records. They are reused only when the earlier file names the same model,
+    the same records in the same order and the same prompt fingerprint, and predicted
+    the same steps in every repeat; anything else is refused.
+    """
+    path = Path(args.judge_from)
+    old = json.loads(path.read_text())
+    name = "PromptedJudge (logprob)"
+    problems = []
+    if str(old.get("model")) != str(args.model):
+        problems.append(f"model {old.get('model')!r}, not {args.model!r}")
+    if old.get("record_ids") != [c.record_id for c in convs]:
+        problems.append("other records or another order")
+    fp = template.fingerprint()[:12]
+    if f"fingerprint {fp}" not in str(old.get("prompt_note", "")):
+        problems.append(f"not prompt fingerprint {fp}")
+    P = np.asarray(old.get("predictions", {}).get(name, []), dtype=np.int64)
+    if P.ndim != 2 or P.shape[1] != len(convs) or (P != P[:1]).any():
+        problems.append(f"no {name} predictions equal across repeats")
+    if problems:
+        raise SystemExit(f"--judge-from {path}: cannot reuse its judge: {'; '.join(problems)}.")
+    args.judge_note = (f"PromptedJudge predictions reused from {path.name} ({old.get('date')}): "
+                       f"same model, records and prompt fingerprint {fp}; not re-run")
+    return P[0]
+
+
 def judge_predictions(args, convs, template, cache_dir):
     """Zero-shot judge scores for every conversation, cached as JSON next to activations."""
     judge = PromptedJudge(model=args.model, prompt=template, dtype=args.dtype)
@@ -913,6 +946,10 @@ def main(argv=None):
                    "interleaved and uncached (0: skip)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny random model + synthetic conversations (seconds; for CI)")
+    p.add_argument("--judge-from", metavar="JSON", default=None,
+                   help="with --preregistered: reuse the PromptedJudge predictions of an "
+                        "earlier result file (same model, records and prompt fingerprint; "
+                        "checked) instead of running the judge again")
     p.add_argument("--extract-only", action="store_true",
                    help="with --preregistered: fill the activation caches (the reads, "
                         "the judge, mi4afa) and stop")

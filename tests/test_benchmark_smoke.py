@@ -170,3 +170,22 @@ def test_preregistered_extract_only_fills_caches(tmp_path):
 
     with safe_open(str(files[0]), framework="pt") as f:
         assert float(f.metadata()["seconds"]) > 0
+
+
+def test_preregistered_judge_from_earlier_result(tmp_path):
+    """--judge-from reuses an earlier run's judge only for the same model, records, prompt."""
+    bench = _load()
+    cache = str(tmp_path / "cache")
+    first = bench.main(["--smoke", "--out", str(tmp_path / "a"), "--cache-dir", cache])
+    path = tmp_path / "a" / "smoke_synthetic.json"
+    argv = ["--smoke", "--preregistered", "--reads", "last", "--no-mi4afa", "--no-stack",
+            "--out", str(tmp_path / "b"), "--cache-dir", cache, "--judge-from", str(path)]
+    second = bench.main(argv)
+    name = "PromptedJudge (logprob)"
+    assert second["predictions"][name] == first["predictions"][name]
+    assert any("reused from smoke_synthetic.json" in d for d in second["deviations"])
+    saved = json.loads(path.read_text())
+    saved["record_ids"] = saved["record_ids"][::-1]
+    path.write_text(json.dumps(saved))
+    with pytest.raises(SystemExit, match="other records"):
+        bench.main(argv)
