@@ -1074,7 +1074,7 @@ def run(args, argv):
     multi_sites = list(dict.fromkeys(multi_sites))
 
     # ---- nested CV on shared outer folds
-    names, preds, infos, all_splits = None, {}, [], []
+    preds, infos, all_splits = {}, [], []
     for r in range(args.repeats):
         outer = GroupKFold(args.folds, shuffle=True, random_state=r)
         rep = {}
