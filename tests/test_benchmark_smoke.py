@@ -189,3 +189,52 @@ def test_preregistered_judge_from_earlier_result(tmp_path):
     path.write_text(json.dumps(saved))
     with pytest.raises(SystemExit, match="other records"):
         bench.main(argv)
+
+
+def _load_rule():
+    spec = importlib.util.spec_from_file_location(
+        "apply_prereg_rule", Path(__file__).resolve().parents[1] / "examples"
+        / "apply_prereg_rule.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_apply_prereg_rule_counts_complete_cells_only(tmp_path):
+    rule = _load_rule()
+    order = ["last: a", "last: b", "recap: a"]
+
+    def cell(name, choices, deviations=(), subset="Algorithm-Generated"):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"preregistered": True, "tag": name, "subset": subset,
+                                    "order": order, "auto_choices": choices,
+                                    "deviations": list(deviations)}))
+        return path
+
+    a = cell("m1", {"last: b": 3, "recap: a": 2})
+    b = cell("m2", {"recap: a": 1, "last: a": 4})
+    c = cell("m3", {"last: a": 15}, deviations=["reads echo not run"])
+    d = cell("m1hc", {"last: a": 15}, subset="Hand-Crafted")
+    out = rule.apply_rule([a, b, c, d])
+    assert out["tally"] == {"last: b": 3, "recap: a": 3, "last: a": 4}
+    assert out["winner"] == "last: a" and out["complete"] == ["m1 / Algorithm-Generated",
+                                                             "m2 / Algorithm-Generated"]
+    assert [why for _, why in out["left_out"]] == ["reads echo not run",
+                                                   "not Algorithm-Generated"]
+    # ties go to the pre-registered order
+    e = cell("m4", {"recap: a": 1, "last: b": 0})
+    assert rule.apply_rule([a, e])["tally"] == {"last: b": 3, "recap: a": 3}
+    assert rule.apply_rule([a, e])["winner"] == "last: b"
+    f = cell("m5", {"recap: a": 4, "last: b": 3})
+    assert rule.apply_rule([f])["winner"] == "recap: a"
+    # no complete cell: no winner
+    assert rule.apply_rule([c])["winner"] is None
+
+
+def test_apply_prereg_rule_on_the_committed_partial_result():
+    rule = _load_rule()
+    path = (Path(__file__).resolve().parents[1] / "docs" / "results"
+            / "prereg_smollm2_Algorithm-Generated.json")
+    out = rule.apply_rule([path])
+    assert out["winner"] is None and out["complete"] == []   # echo missing: not complete
+    assert "reads echo not run" in out["left_out"][0][1]

@@ -1,0 +1,67 @@
+"""Rule step 2 of the pre-registered comparison (docs/benchmarks.md, section 3).
+
+Reads the result files of ``benchmark_who_and_when.py --preregistered`` and picks the
+recommended default: the configuration chosen most often by rule step 1 over all outer
+fits of the *complete* Algorithm-Generated cells (ties: the pre-registered order).
+A cell is complete when its result states no deviation from section 3; incomplete
+cells are listed and left out, as section 3 says ("the rule is applied to the completed
+cells, and the docs say which"). With no complete cell there is no winner yet.
+
+Usage::
+
+    python examples/apply_prereg_rule.py docs/results/prereg_*_Algorithm-Generated.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def apply_rule(paths):
+    """Return ``{"winner", "tally", "complete", "left_out"}`` for the given result files."""
+    tally, order, complete, left_out = {}, None, [], []
+    for path in map(Path, paths):
+        result = json.loads(path.read_text())
+        if not result.get("preregistered"):
+            raise SystemExit(f"{path} is not a --preregistered result.")
+        cell = f"{result.get('tag')} / {result.get('subset')}"
+        if result.get("subset") != "Algorithm-Generated":
+            left_out.append((cell, "not Algorithm-Generated"))
+            continue
+        if result.get("deviations"):
+            left_out.append((cell, "; ".join(result["deviations"])))
+            continue
+        if order is not None and result["order"] != order:
+            raise SystemExit(f"{path}: its configuration order differs from the others'.")
+        order = result["order"]
+        complete.append(cell)
+        for name, count in result["auto_choices"].items():
+            tally[name] = tally.get(name, 0) + int(count)
+    winner = None
+    if tally:
+        winner = max(tally, key=lambda n: (tally[n], -order.index(n)))
+    return {"winner": winner, "tally": tally, "complete": complete, "left_out": left_out}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results", nargs="+", help="prereg_<tag>_<subset>.json files")
+    args = p.parse_args(argv)
+    out = apply_rule(args.results)
+    for cell, why in out["left_out"]:
+        print(f"left out: {cell}: {why}")
+    if out["winner"] is None:
+        print("no complete Algorithm-Generated cell: rule step 2 cannot pick a default yet.")
+        return out
+    print(f"complete cells: {', '.join(out['complete'])}")
+    for name, count in sorted(out["tally"].items(), key=lambda kv: -kv[1]):
+        print(f"  {count:3d}  {name}")
+    print(f"recommended default (rule step 2): {out['winner']}")
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
