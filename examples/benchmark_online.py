@@ -360,7 +360,7 @@ def main(argv=None):
                         "result file from its stored predictions; no model, no fit")
     args = p.parse_args(argv)
     if args.rescore:
-        return rescore(Path(args.rescore), n_resamples=args.n_resamples)
+        return rescore(Path(args.rescore), n_resamples=args.n_resamples, data=args.data)
     t_all = time.perf_counter()
     times = {}
 
@@ -526,7 +526,7 @@ def smoke_conversations():
     return make_conversations(40, min_turns=3, max_turns=6, seed=0)
 
 
-def rescore(path, *, n_resamples):
+def rescore(path, *, n_resamples, data):
     """Recompute the summary and paired differences of ``path`` from its predictions."""
     result = json.loads(path.read_text())
     if result.get("partial"):
@@ -536,12 +536,10 @@ def rescore(path, *, n_resamples):
     preds = {n: np.asarray(P, dtype=np.int64) for n, P in result["predictions"].items()}
     if any(P.shape != (result["repeats"], len(y)) for P in preds.values()):
         raise SystemExit(f"{path}: predictions do not match y_true and repeats.")
-    data = None if result["subset"] == "synthetic" else skafa.load_who_and_when(
-        os.environ.get("SKAFA_WHO_AND_WHEN",
-                       str(REPO.parent / "shared" / "data" / "who_and_when")),
-        subset=result["subset"])
-    by_id = {c.record_id: c for c in (smoke_conversations() if result["subset"] == "synthetic"
-                                      else data.conversations)}
+    # the records' speakers and agents (Agent-Acc), from --data
+    convs = (smoke_conversations() if result["subset"] == "synthetic"
+             else skafa.load_who_and_when(data, subset=result["subset"]).conversations)
+    by_id = {c.record_id: c for c in convs}
     convs = [by_id[r] for r in result["record_ids"]]
     result["summary"] = {n: summarise(P, y, convs, groups, n_resamples=n_resamples, seed=0)
                          for n, P in preds.items()}

@@ -716,6 +716,11 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
                 want = [n for n in names if n.startswith(f"{read}: ")
                         and not (args.no_stack and n.endswith(STACK_ID))]
                 done = stores[read].get(r, k) if read in stores else {}
+                for n, (p, *_) in done.items():
+                    if p.shape != (len(test),) or p.min(initial=0) < 0:
+                        raise SystemExit(f"{stores[read].path}: the stored fit {n!r} of repeat "
+                                         f"{r} fold {k} has {p.shape} predictions for "
+                                         f"{len(test)} test runs; remove the file.")
                 todo = [n for n in want if n not in done]
                 new = (prereg_read_fold(read, convs, feats[read], extractors[read], y, groups,
                                         train, test, args, timer, names=todo)

@@ -128,6 +128,11 @@ def test_preregistered_benchmark_resume(tmp_path):
     b = np.asarray(second["predictions"]["last: logistic/single/acts"])
     assert (a != b).any()                              # the stored (tampered) fit was used
     assert second["predictions"]["TF-IDF"] == first["predictions"]["TF-IDF"]
+    # a stored fit of the wrong length: refused, naming the file and the fit
+    entry["pred"] = entry["pred"][:-1]
+    partial.write_text(json.dumps(stored))
+    with pytest.raises(SystemExit, match=r"partial-last\.json.*'last: logistic/single/acts'"):
+        bench.main(argv)
     # other settings: refused, not mixed in
     with pytest.raises(SystemExit, match="other settings"):
         bench.main([*argv, "--sites", "resid_final"])
@@ -238,3 +243,26 @@ def test_apply_prereg_rule_on_the_committed_partial_result():
     out = rule.apply_rule([path])
     assert out["winner"] is None and out["complete"] == []   # echo missing: not complete
     assert "reads echo not run" in out["left_out"][0][1]
+
+
+def test_prereg_inner_scores_reads_rule_step_one_inputs():
+    spec = importlib.util.spec_from_file_location(
+        "prereg_inner_scores", Path(__file__).resolve().parents[1] / "examples"
+        / "prereg_inner_scores.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = {
+        "order": ["a", "b"],
+        "summary": {"a": {"step_accuracy": {"estimate": 0.3}},
+                    "b": {"step_accuracy": {"estimate": 0.2}}},
+        "choices": [
+            {"repeat": 0, "fold": 0, "method": "a", "inner_score": 0.5},
+            {"repeat": 0, "fold": 0, "method": "b", "inner_score": 0.4},
+            {"repeat": 0, "fold": 1, "method": "a", "inner_score": 0.3},
+            {"repeat": 0, "fold": 1, "method": "b", "inner_score": 0.4},
+            {"repeat": 0, "fold": 0, "method": "auto", "inner_score": None},
+        ]}
+    out = module.inner_scores(result)
+    assert out["mean_inner"] == pytest.approx({"a": 0.4, "b": 0.4})
+    assert out["lead"] == pytest.approx(0.1)        # 0.5-0.4 and 0.4-0.3
+    assert out["optimism"] == pytest.approx(0.15)   # (0.4-0.3 + 0.4-0.2) / 2
