@@ -57,6 +57,7 @@ from skafa import metrics as M
 from skafa.models import context_length, load_model
 from skafa.online import OnlineAuditor, safe_prefix_protocol
 from skafa.prompt import plan
+from skafa.sites import validate_sites
 
 REPO = Path(__file__).resolve().parents[1]
 #: Position columns an online auditor may use: none depends on the run's final length.
@@ -417,8 +418,7 @@ def main(argv=None):
     L = ext.n_layers_
     probe_sites = list(A.sites)
     if args.sites.startswith("stride:"):
-        k = int(args.sites.split(":", 1)[1])
-        probe_sites = [f"resid_pre.{l}" for l in range(0, L, k)] + ["resid_final"]
+        probe_sites = list(validate_sites(args.sites, L))
     elif args.sites != "all":
         probe_sites = [s.strip() for s in args.sites.split(",") if s.strip()]
     args.probe_sites = probe_sites

@@ -59,6 +59,7 @@ from skafa import (
 from skafa import metrics as M
 from skafa.models import context_length, load_model
 from skafa.prompt import plan
+from skafa.sites import validate_sites
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = ("exact", "normalized", "substring")
@@ -655,8 +656,7 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
     A0 = feats[args.reads[0]]
     probe_sites = list(A0.sites)
     if args.sites.startswith("stride:"):
-        k = int(args.sites.split(":", 1)[1])
-        probe_sites = [f"resid_pre.{layer}" for layer in range(0, L, k)] + ["resid_final"]
+        probe_sites = list(validate_sites(args.sites, L))
     elif args.sites != "all":
         probe_sites = [s.strip() for s in args.sites.split(",") if s.strip()]
     args.probe_sites = probe_sites

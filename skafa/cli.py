@@ -240,20 +240,18 @@ def _sites(spec, model, device):
     if spec == "all":
         return None
     if spec.startswith("stride:"):
-        try:
-            k = int(spec.split(":", 1)[1])
-        except ValueError:
-            raise _DataError(f"--sites {spec!r}: stride must be an integer.") from None
-        if k < 1:
-            raise _DataError(f"--sites {spec!r}: stride must be >= 1.")
         from .models import load_model
+        from .sites import stride_sites, _parse_stride
 
+        try:
+            k = _parse_stride(spec)
+        except ValueError as exc:
+            raise _DataError(f"--sites {spec!r}: stride must be an integer >= 1.") from exc
         try:
             m, _ = load_model(model, device=device)
         except Exception as exc:  # noqa: BLE001 - any loading failure is a model error
             raise _ModelError(f"cannot load model {model!r}: {exc}") from exc
-        n_layers = int(m.config.num_hidden_layers)
-        return [f"resid_pre.{layer}" for layer in range(0, n_layers, k)] + ["resid_final"]
+        return stride_sites(int(m.config.num_hidden_layers), k)
     sites = [s.strip() for s in spec.split(",") if s.strip()]
     if not sites:
         raise _DataError("--sites is empty.")

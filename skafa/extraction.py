@@ -631,7 +631,9 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         :func:`skafa.models.load_model` (process-level cache). A *name*, never a
         loaded model: cloning and pickling then never copy weights.
     sites : None, "all", str or list of str, default=None
-        Sites to read (see :mod:`skafa.sites`); ``None`` reads all ``2L + 1``.
+        Sites to read (see :mod:`skafa.sites`); ``None`` reads all ``2L + 1``;
+        ``"stride:K"`` reads every K-th ``resid_pre`` layer and ``resid_final``
+        (:func:`skafa.sites.stride_sites`).
         Reading every site costs the same single forward pass, so keep the default
         and select sites downstream unless memory is tight.
     read : {"last", "mean", "recap", "echo"}, default="last"

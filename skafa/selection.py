@@ -21,7 +21,7 @@ from scipy.stats import rankdata
 from sklearn.base import BaseEstimator, MetaEstimatorMixin, clone
 from sklearn.exceptions import FitFailedWarning
 from sklearn.metrics import check_scoring, get_scorer_names
-from sklearn.model_selection import GroupKFold, check_cv
+from sklearn.model_selection import GroupKFold, ParameterGrid, check_cv
 from sklearn.utils import get_tags
 from sklearn.utils.metadata_routing import (
     MetadataRouter,
@@ -268,8 +268,22 @@ class SiteSelector(PersistenceMixin, MetaEstimatorMixin, BaseEstimator):
         whose mean is NaN are never kept); it fits a clone at each of them
         and predicts from the mean of their standardized turn scores. The
         ranking is the same inner cross-validation as for ``k=1`` (training
-        data only); the averaged model itself is not cross-validated, so
-        tune ``n_sites`` in an outer search if needed.
+        data only). With one candidate (no ``param_grid``) the averaged model
+        itself is not cross-validated, so tune ``n_sites`` in an outer search
+        if needed; with several candidates it is (see ``param_grid``).
+    param_grid : dict or list of dicts, default=None
+        Parameters of ``estimator`` searched *jointly* with the site, on the
+        same splits (e.g. ``{"C": [0.001, 0.01, 0.1]}``), in
+        :class:`~sklearn.model_selection.ParameterGrid` order. Every
+        (candidate, site) pair is cross-validated. With ``n_sites=1`` the
+        pair with the best mean score wins (ties: the earliest candidate, then
+        the earliest site). With ``n_sites=k > 1`` each candidate keeps its
+        own ``k`` best sites, the ``k``-site average of each candidate is
+        cross-validated on the same splits, and the candidate whose average
+        scores best wins (ties: the earliest). ``None`` means the estimator as
+        given (one candidate), exactly the site-only selection. This is the
+        selection of configurations 1-8 of the pre-registered comparison
+        (docs/benchmarks.md, section 3).
 
     Attributes
     ----------
@@ -282,15 +296,26 @@ class SiteSelector(PersistenceMixin, MetaEstimatorMixin, BaseEstimator):
     best_index_ : int
         Index of ``best_site_`` in ``cv_results_``.
     best_score_ : float
-        Mean cross-validated score at ``best_site_``.
+        Mean cross-validated score at ``best_site_`` (of the chosen candidate).
+    best_params_ : dict
+        The chosen candidate of ``param_grid`` (``{}`` without one).
+    candidate_scores_ : ndarray of shape (n_candidates,)
+        The score that compared the candidates: with ``n_sites > 1`` and
+        several candidates, the mean cross-validated score of each
+        candidate's ``k``-site average; otherwise the mean score of each
+        candidate's best site.
     best_estimator_ : estimator object
-        Estimator refitted on all the data at ``best_site_`` (``refit=True``);
+        Estimator (with ``best_params_``) refitted on all the data at
+        ``best_site_`` (``refit=True``);
         with ``n_sites > 1``, a fitted :class:`SiteEnsemble` over
         ``best_sites_`` (its ``estimators_`` holds one refitted estimator per
         site).
     cv_results_ : dict of ndarray
-        One entry per site, like :class:`~sklearn.model_selection.GridSearchCV`:
-        ``site``, ``params`` (``{"site": name}``), ``split{k}_test_score``,
+        One entry per (candidate, site), candidate-major, like
+        :class:`~sklearn.model_selection.GridSearchCV`: ``site``, ``params``
+        (``{"site": name, **candidate}``), ``param_<name>`` for every
+        parameter of ``param_grid`` (object arrays; ``None`` where a candidate
+        lacks it), ``split{k}_test_score``,
         ``mean_test_score``, ``std_test_score``, ``rank_test_score``,
         ``mean_fit_time``, ``std_fit_time``, ``mean_score_time``,
         ``std_score_time``. Convertible with ``pandas.DataFrame``.
@@ -362,6 +387,7 @@ class SiteSelector(PersistenceMixin, MetaEstimatorMixin, BaseEstimator):
         "verbose": ["verbose"],
         "error_score": [StrOptions({"raise"}), Real],
         "n_sites": [Interval(Integral, 1, None, closed="left")],
+        "param_grid": [dict, list, None],
     }
 
     # skafa.persistence: the scorer is a function, never saved; rebuilt from `scoring`.
@@ -384,6 +410,7 @@ class SiteSelector(PersistenceMixin, MetaEstimatorMixin, BaseEstimator):
         verbose=0,
         error_score=np.nan,
         n_sites=1,
+        param_grid=None,
     ):
         self.estimator = estimator
         self.sites = sites
@@ -394,6 +421,7 @@ class SiteSelector(PersistenceMixin, MetaEstimatorMixin, BaseEstimator):
         self.verbose = verbose
         self.error_score = error_score
         self.n_sites = n_sites
+        self.param_grid = param_grid
 
     # ------------------------------------------------------------------ fitting
     def _split_and_fit_params(self, groups, params):
@@ -438,34 +466,33 @@ class SiteSelector(PersistenceMixin, MetaEstimatorMixin, BaseEstimator):
                 f"({list(sites)})."
             )
         _check_no_fixed_site(self.estimator, type(self).__name__)
+        grid, candidates = self._candidates()
         cv = _check_site_cv(self.cv)
         scorer = _get_scorer(self.estimator, self.scoring)
         split_params, fit_params = self._split_and_fit_params(groups, params)
         splits = _grouped_splits(cv, X, y, split_params, X.task_ids)
-        n_splits = len(splits)
+        n_splits, n_sites, n_cand = len(splits), len(sites), len(candidates)
         if self.verbose > 0:
-            print(
-                f"Fitting {n_splits} folds for each of {len(sites)} sites, totalling "
-                f"{n_splits * len(sites)} fits"
-            )
+            per = f"{n_sites} sites" if n_cand == 1 else \
+                f"{n_cand} candidates x {n_sites} sites"
+            print(f"Fitting {n_splits} folds for each of {per}, totalling "
+                  f"{n_splits * n_sites * n_cand} fits")
 
         def tasks():
-            for site in sites:
-                X_site = X.select_sites(site)
-                for fold, (train, test) in enumerate(splits):
-                    yield delayed(_fit_and_score_site)(
-                        clone(self.estimator), X_site, y, train, test, scorer,
-                        fit_params, self.error_score, site, fold,
-                    )
+            for est in candidates:
+                for site in sites:
+                    X_site = X.select_sites(site)
+                    for fold, (train, test) in enumerate(splits):
+                        yield delayed(_fit_and_score_site)(
+                            clone(est), X_site, y, train, test, scorer,
+                            fit_params, self.error_score, site, fold,
+                        )
 
         out = Parallel(n_jobs=self.n_jobs, verbose=self.verbose)(tasks())
-        scores = np.array([o["score"] for o in out], dtype=float).reshape(
-            len(sites), n_splits
-        )
-        fit_times = np.array([o["fit_time"] for o in out]).reshape(len(sites), n_splits)
-        score_times = np.array([o["score_time"] for o in out]).reshape(
-            len(sites), n_splits
-        )
+        shape = (n_cand * n_sites, n_splits)
+        scores = np.array([o["score"] for o in out], dtype=float).reshape(shape)
+        fit_times = np.array([o["fit_time"] for o in out]).reshape(shape)
+        score_times = np.array([o["score_time"] for o in out]).reshape(shape)
         means = scores.mean(axis=1)
         if np.all(np.isnan(means)):
             raise ValueError(
@@ -478,12 +505,32 @@ class SiteSelector(PersistenceMixin, MetaEstimatorMixin, BaseEstimator):
         # NaN means rank last; equal means share the lowest rank ("min").
         filled = np.where(np.isnan(means), np.nanmin(means) - 1.0, means)
         ranks = rankdata(-filled, method="min").astype(np.int32)
-        best_index = int(np.flatnonzero(ranks == 1)[0])  # earliest site on ties
+        # each candidate's best site (earliest on ties) and its k best sites
+        block = [slice(c * n_sites, (c + 1) * n_sites) for c in range(n_cand)]
+        best_site_of = [int(np.argmax(filled[b])) for b in block]
+        top_of = [_top_sites(sites, filled[b], np.isnan(means[b]), self.n_sites)
+                  if np.any(np.isfinite(means[b])) else () for b in block]
+        cand_scores = np.array([means[b][i] for b, i in zip(block, best_site_of)])
+        if self.n_sites > 1 and n_cand > 1:
+            cand_scores = np.array([
+                self._ensemble_cv_score(est, top, X, y, splits, scorer, fit_params)
+                if top else np.nan for est, top in zip(candidates, top_of)])
+            if np.all(np.isnan(cand_scores)):
+                raise ValueError(
+                    "no candidate's site average has a finite mean cross-validation "
+                    "score; see the FitFailedWarnings above, or set error_score='raise'."
+                )
+        best_cand = int(np.argmax(np.where(np.isnan(cand_scores), -np.inf, cand_scores)))
+        best_index = best_cand * n_sites + best_site_of[best_cand]
 
         results = {
-            "site": np.asarray(sites, dtype=object),
-            "params": [{"site": s} for s in sites],
+            "site": np.asarray(sites * n_cand, dtype=object),
+            "params": [{"site": s, **p} for p in grid for s in sites],
         }
+        for name in sorted({k for p in grid for k in p}):
+            column = np.empty(n_cand * n_sites, dtype=object)
+            column[:] = [p.get(name) for p in grid for _ in sites]
+            results[f"param_{name}"] = column
         for k in range(n_splits):
             results[f"split{k}_test_score"] = scores[:, k]
         results.update(
@@ -501,24 +548,58 @@ class SiteSelector(PersistenceMixin, MetaEstimatorMixin, BaseEstimator):
         self.n_splits_ = n_splits
         self.scorer_ = scorer
         self.best_index_ = best_index
-        self.best_site_ = sites[best_index]
+        self.best_site_ = sites[best_site_of[best_cand]]
         self.best_score_ = float(means[best_index])
-        self.best_sites_ = _top_sites(sites, filled, np.isnan(means), self.n_sites)
+        self.best_params_ = dict(grid[best_cand])
+        self.candidate_scores_ = np.asarray(cand_scores, dtype=np.float64)
+        self.best_sites_ = top_of[best_cand]
+        best = candidates[best_cand]
         if self.refit:
             start = time.perf_counter()
             if self.n_sites == 1:
-                self.best_estimator_ = clone(self.estimator).fit(
+                self.best_estimator_ = clone(best).fit(
                     X.select_sites(self.best_site_), y, **fit_params
                 )
             else:
                 self.best_estimator_ = SiteEnsemble(
-                    self.estimator, sites=list(self.best_sites_), n_jobs=self.n_jobs
+                    best, sites=list(self.best_sites_), n_jobs=self.n_jobs
                 ).fit(X.select_sites(list(self.best_sites_)), y, **fit_params)
             self.refit_time_ = time.perf_counter() - start
         else:  # a previous fit's refitted estimator is not this fit's
             for name in ("best_estimator_", "refit_time_"):
                 self.__dict__.pop(name, None)
         return self
+
+    def _candidates(self):
+        """``(candidates, estimators)``: ``param_grid``'s dicts and one unfitted
+        estimator each (``([{}], [estimator])`` without a grid)."""
+        if self.param_grid is None:
+            return [{}], [self.estimator]
+        grid = list(ParameterGrid(self.param_grid))
+        if not grid:
+            raise ValueError("param_grid is empty: give at least one candidate, or None.")
+        out = []
+        for candidate in grid:
+            if any(k == "site" or k.endswith("__site") for k in candidate):
+                raise ValueError(
+                    f"param_grid sets a site parameter ({sorted(candidate)}); "
+                    "SiteSelector chooses the site itself (use its sites parameter)."
+                )
+            try:
+                out.append(clone(self.estimator).set_params(**candidate))
+            except ValueError as exc:
+                raise ValueError(f"param_grid candidate {candidate}: {exc}") from None
+        return grid, out
+
+    def _ensemble_cv_score(self, estimator, top, X, y, splits, scorer, fit_params):
+        """Mean score of the ``top``-site average of ``estimator`` over ``splits``."""
+        X_top = X.select_sites(list(top))
+        folds = Parallel(n_jobs=self.n_jobs)(
+            delayed(_fit_and_score_site)(
+                SiteEnsemble(estimator, sites=list(top)), X_top, y, train, test,
+                scorer, fit_params, self.error_score, f"average of {list(top)}", fold)
+            for fold, (train, test) in enumerate(splits))
+        return float(np.mean([f["score"] for f in folds]))
 
     # --------------------------------------------------------------- delegation
     def _check_refitted(self, method):
@@ -670,7 +751,8 @@ class SiteSelector(PersistenceMixin, MetaEstimatorMixin, BaseEstimator):
         """Instances for :mod:`skafa.utils.estimator_checks`."""
         from .probes import GroupedArgmaxLogisticClassifier
 
-        return [cls(GroupedArgmaxLogisticClassifier(), cv=3)]
+        return [cls(GroupedArgmaxLogisticClassifier(), cv=3),
+                cls(GroupedArgmaxLogisticClassifier(), cv=3, param_grid={"C": [0.1, 1.0]})]
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "all_sites",
+    "stride_sites",
     "parse_site",
     "validate_sites",
     "site_depth",
@@ -69,6 +70,46 @@ def all_sites(n_layers):
         sites.append(f"mlp_in.{layer}")
     sites.append("resid_final")
     return sites
+
+
+def stride_sites(n_layers, stride):
+    """Every ``stride``-th ``resid_pre`` layer from layer 0, then ``resid_final``.
+
+    The site set the pre-registered comparison searches (``"stride:3"``: 11
+    sites on SmolLM2's 30 layers, 9 on Qwen2.5-0.5B's 24, 7 on Gemma-3-270M's
+    18). ``validate_sites`` accepts the spec string ``"stride:K"`` for it.
+
+    Parameters
+    ----------
+    n_layers : int
+        Number of decoder layers.
+    stride : int
+        Keep layers ``0, stride, 2 * stride, ...`` (``>= 1``).
+
+    Returns
+    -------
+    sites : list of str
+
+    Examples
+    --------
+    >>> stride_sites(7, 3)
+    ['resid_pre.0', 'resid_pre.3', 'resid_pre.6', 'resid_final']
+    """
+    all_sites(n_layers)  # validates n_layers
+    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+        raise ValueError(f"stride must be an int >= 1, got {stride!r}.")
+    return [f"resid_pre.{layer}" for layer in range(0, int(n_layers), stride)] + [
+        "resid_final"]
+
+
+def _parse_stride(spec):
+    """``"stride:K"`` -> ``K`` (an int >= 1); ``None`` for any other string."""
+    if not spec.startswith("stride:"):
+        return None
+    text = spec.split(":", 1)[1].strip()
+    if not re.fullmatch(r"[0-9]+", text) or int(text) < 1:
+        raise ValueError(f"sites={spec!r}: the stride must be an integer >= 1.")
+    return int(text)
 
 
 def parse_site(name):
@@ -137,8 +178,9 @@ def validate_sites(sites, n_layers):
     Parameters
     ----------
     sites : None, str, or sequence of str
-        ``None`` or ``"all"`` means every site (:func:`all_sites`). A single site
-        name is accepted as a one-element list.
+        ``None`` or ``"all"`` means every site (:func:`all_sites`);
+        ``"stride:K"`` means :func:`stride_sites` ``(n_layers, K)``. A single
+        site name is accepted as a one-element list.
     n_layers : int
         Number of decoder layers.
 
@@ -162,6 +204,9 @@ def validate_sites(sites, n_layers):
     if sites is None or (isinstance(sites, str) and sites == "all"):
         return tuple(valid)
     if isinstance(sites, str):
+        stride = _parse_stride(sites)
+        if stride is not None:
+            return tuple(stride_sites(n_layers, stride))
         sites = [sites]
     try:
         sites = list(sites)

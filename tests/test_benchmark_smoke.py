@@ -266,3 +266,29 @@ def test_prereg_inner_scores_reads_rule_step_one_inputs():
     assert out["mean_inner"] == pytest.approx({"a": 0.4, "b": 0.4})
     assert out["lead"] == pytest.approx(0.1)        # 0.5-0.4 and 0.4-0.3
     assert out["optimism"] == pytest.approx(0.15)   # (0.4-0.3 + 0.4-0.2) / 2
+
+
+@pytest.mark.parametrize("estimator", ["logistic", "softmax"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_site_selector_param_grid_equals_the_benchmark_selection(estimator, k):
+    """SiteSelector(param_grid=...) is configurations 1-8's selection: same C, sites, result."""
+    from sklearn.model_selection import GroupKFold
+    from test_selection import make_sites
+
+    from skafa import SiteSelector
+
+    bench = _load()
+    X, y = make_sites(60, n_sites=5, signal=1.0, seed=3)
+    groups = np.asarray(X.task_ids, dtype=object)
+    train, test = np.arange(45), np.arange(45, 60)
+    Xtr, Xte, ytr = X[train], X[test], y[train]
+    Cs = (0.01, 0.1, 1.0)
+    C, ref, score = bench.select_C_and_site(Xtr, ytr, groups[train], Cs=Cs, sites=None,
+                                            inner=3, n_jobs=1, random_state=0,
+                                            estimator=estimator, n_sites=k)
+    sel = SiteSelector(bench._probe(estimator, 1.0, 0), cv=GroupKFold(3), n_sites=k,
+                       param_grid={"C": list(Cs)}).fit(Xtr, ytr, groups=groups[train])
+    assert sel.best_params_ == {"C": C}
+    assert sel.candidate_scores_[Cs.index(C)] == pytest.approx(score)
+    assert sel.best_sites_ == ref.best_sites_
+    np.testing.assert_array_equal(sel.predict(Xte), ref.predict(Xte))

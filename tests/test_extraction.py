@@ -195,6 +195,16 @@ def test_bitwise_deterministic(registered):
     assert np.array_equal(c.values, d.values)
 
 
+def test_stride_site_spec_reads_the_stride_sites(registered):
+    name = registered(make_tiny_llama(n_layers=3, seed=8))
+    convs = make_conversations(2, seed=9)
+    full = TurnActivationTransformer(name, memory_cache=False).fit_transform(convs)
+    ext = TurnActivationTransformer(name, sites="stride:2", memory_cache=False).fit(convs)
+    assert ext.sites_ == ("resid_pre.0", "resid_pre.2", "resid_final")
+    got = ext.transform(convs)
+    np.testing.assert_array_equal(got.values, full.select_sites(list(ext.sites_)).values)
+
+
 def test_site_subset_order_and_early_stop(registered):
     model = make_tiny_llama(n_layers=3, seed=8)
     name = registered(model)

@@ -112,6 +112,9 @@ PROBES = {
     "selector-kfold-top3": lambda: SiteSelector(GroupedArgmaxClassifier(LinearSVC()),
                                                 cv=KFold(3, shuffle=True, random_state=1),
                                                 scoring="top3", sites=["s0", "s1"]),
+    "selector-param-grid-top2": lambda: SiteSelector(
+        GroupedArgmaxLogisticClassifier(random_state=0), cv=GroupKFold(3), n_sites=2,
+        param_grid={"C": [0.01, 1.0]}),
     "perturn-pipeline": lambda: Pipeline([
         ("scale", PerTurn(StandardScaler())),
         ("pca", PerTurn(PCA(n_components=3, random_state=0))),

@@ -8,7 +8,7 @@ from sklearn.metrics import make_scorer
 from sklearn.model_selection import GridSearchCV, GroupKFold, KFold, cross_validate
 
 from skafa import GroupedArgmaxClassifier, GroupedArgmaxLogisticClassifier, TurnFeatures
-from skafa.selection import SiteSelector, site_sweep
+from skafa.selection import SiteEnsemble, SiteSelector, site_sweep
 
 SITES = ("s0", "s1", "s2", "s3", "s4")
 
@@ -388,3 +388,70 @@ def test_task_id_fallback_not_passed_to_splitters_that_ignore_groups():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         SiteSelector(GroupedArgmaxLogisticClassifier(), cv=KFold(3)).fit(X, y)
+
+
+# ------------------------------------------------------------- joint param_grid
+def test_param_grid_searches_candidates_jointly_with_sites():
+    from sklearn.dummy import DummyClassifier
+    from sklearn.linear_model import LogisticRegression
+
+    X, y = make_sites(90, signal=3.0, seed=11)
+    # a constant turn model (always the first turn) cannot beat a fitted one
+    blind, fitted = DummyClassifier(), LogisticRegression()
+    sel = SiteSelector(GroupedArgmaxClassifier(), cv=GroupKFold(3),
+                       param_grid={"estimator": [blind, fitted]}).fit(X, y)
+    n = len(SITES[:5])
+    assert len(sel.cv_results_["params"]) == 2 * n
+    assert sel.cv_results_["params"][n + 3] == {"site": SITES[3], "estimator": fitted}
+    assert list(sel.cv_results_["param_estimator"]) == [blind] * n + [fitted] * n
+    assert sel.best_params_ == {"estimator": fitted} and sel.best_site_ == SITES[3]
+    assert sel.best_index_ == n + 3
+    assert isinstance(sel.best_estimator_.estimator_, LogisticRegression)
+    means = sel.cv_results_["mean_test_score"]
+    np.testing.assert_allclose(sel.candidate_scores_, [means[:n].max(), means[n:].max()])
+    assert sel.candidate_scores_[1] > sel.candidate_scores_[0]
+    # the same as a plain selection with the winner (same splits, same scores)
+    plain = SiteSelector(GroupedArgmaxClassifier(LogisticRegression()),
+                         cv=GroupKFold(3)).fit(X, y)
+    np.testing.assert_array_equal(plain.cv_results_["mean_test_score"], means[n:])
+    np.testing.assert_array_equal(plain.predict(X), sel.predict(X))
+
+
+def test_param_grid_ties_go_to_the_earliest_candidate():
+    X, y = make_sites(60, signal=3.0, seed=12)
+    sel = SiteSelector(GroupedArgmaxLogisticClassifier(), cv=GroupKFold(3),
+                       param_grid=[{"C": [0.5]}, {"C": [0.5]}]).fit(X, y)
+    assert sel.best_index_ < len(SITES[:5])                 # the first of two equal candidates
+
+
+def test_param_grid_with_n_sites_compares_the_site_averages():
+    from sklearn.model_selection import cross_val_score
+
+    X, y = make_sites(90, signal=1.0, seed=13)
+    groups = np.asarray(X.task_ids, dtype=object)
+    sel = SiteSelector(GroupedArgmaxLogisticClassifier(), cv=GroupKFold(3), n_sites=2,
+                       param_grid={"C": [0.01, 1.0]}).fit(X, y, groups=groups)
+    for j, C in enumerate([0.01, 1.0]):
+        one = SiteSelector(GroupedArgmaxLogisticClassifier(C=C), cv=GroupKFold(3),
+                           n_sites=2).fit(X, y, groups=groups)
+        expect = np.mean(cross_val_score(
+            SiteEnsemble(GroupedArgmaxLogisticClassifier(C=C), sites=list(one.best_sites_)),
+            X, y, groups=groups, cv=GroupKFold(3)))
+        assert sel.candidate_scores_[j] == pytest.approx(expect)
+        if sel.best_params_["C"] == C:
+            assert sel.best_sites_ == one.best_sites_
+            np.testing.assert_array_equal(sel.predict(X), one.predict(X))
+    assert sel.candidate_scores_[[0.01, 1.0].index(sel.best_params_["C"])] == \
+        sel.candidate_scores_.max()
+
+
+@pytest.mark.parametrize("grid, match", [
+    ({"site": ["a"]}, "chooses the site itself"),
+    ({"nope": [1]}, "param_grid candidate"),
+    ([], "param_grid is empty"),
+])
+def test_param_grid_bad_candidates_are_refused(grid, match):
+    X, y = make_sites(30, seed=14)
+    with pytest.raises(ValueError, match=match):
+        SiteSelector(GroupedArgmaxLogisticClassifier(), cv=GroupKFold(3),
+                     param_grid=grid).fit(X, y)

@@ -9,6 +9,7 @@ from skafa.sites import (
     decoder_layout,
     parse_site,
     site_depth,
+    stride_sites,
     validate_sites,
 )
 from skafa.testing import make_tiny_gemma, make_tiny_llama, make_tiny_qwen2
@@ -27,6 +28,21 @@ def test_all_sites_depth_order():
 def test_all_sites_rejects_bad_n_layers(bad):
     with pytest.raises(ValueError, match="n_layers"):
         all_sites(bad)
+
+
+def test_stride_sites_and_spec():
+    assert stride_sites(30, 3) == [f"resid_pre.{k}" for k in range(0, 30, 3)] + ["resid_final"]
+    assert len(stride_sites(30, 3)) == 11 and len(stride_sites(24, 3)) == 9
+    assert len(stride_sites(18, 3)) == 7
+    assert stride_sites(2, 5) == ["resid_pre.0", "resid_final"]
+    assert validate_sites("stride:3", 7) == tuple(stride_sites(7, 3))
+    assert validate_sites("stride:1", 2) == ("resid_pre.0", "resid_pre.1", "resid_final")
+    for bad in ("stride:0", "stride:x", "stride:", "stride:-1", "stride:1.5"):
+        with pytest.raises(ValueError, match="stride must be an integer >= 1"):
+            validate_sites(bad, 4)
+    for bad in (0, -2, 1.0, True, "3"):
+        with pytest.raises(ValueError, match="stride must be an int >= 1"):
+            stride_sites(4, bad)
 
 
 def test_parse_site():
