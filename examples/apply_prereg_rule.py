@@ -3,8 +3,10 @@
 Reads the result files of ``benchmark_who_and_when.py --preregistered`` and picks the
 recommended default: the configuration chosen most often by rule step 1 over all outer
 fits of the *complete* Algorithm-Generated cells (ties: the pre-registered order).
-A cell is complete when its result states no deviation from section 3; incomplete
-cells are listed and left out, as section 3 says ("the rule is applied to the completed
+A cell is complete when its result states no deviation from section 3 that can change
+rule step 1's choices (``choice_deviations``: configurations not run, other sites, folds
+or records; a reused or missing judge / mi4afa row changes no choice; older files
+without that field count every deviation); incomplete cells are listed and left out, as section 3 says ("the rule is applied to the completed
 cells, and the docs say which"). With no complete cell there is no winner yet.
 
 Usage::
@@ -31,8 +33,9 @@ def apply_rule(paths):
         if result.get("subset") != "Algorithm-Generated":
             left_out.append((cell, "not Algorithm-Generated"))
             continue
-        if result.get("deviations"):
-            left_out.append((cell, "; ".join(result["deviations"])))
+        deviations = result.get("choice_deviations", result.get("deviations"))
+        if deviations:
+            left_out.append((cell, "; ".join(deviations)))
             continue
         if order is not None and result["order"] != order:
             raise SystemExit(f"{path}: its configuration order differs from the others'.")

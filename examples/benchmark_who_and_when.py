@@ -761,6 +761,7 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
         "repeats": args.repeats, "command": command, "reads": list(args.reads),
         "probe_sites": probe_sites, "budget": budget, "context": ctx,
         "shortening": notes, "mi4afa": peer, "deviations": prereg_deviations(args),
+        "choice_deviations": prereg_deviations(args, choice_only=True),
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python "
                    f"{platform.python_version()}, torch {__import__('torch').__version__}",
         "date": time.strftime("%Y-%m-%d"),
@@ -782,8 +783,13 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
     return result
 
 
-def prereg_deviations(args):
-    """How this run differs from the comparison fixed in docs/benchmarks.md section 3."""
+def prereg_deviations(args, *, choice_only=False):
+    """How this run differs from the comparison fixed in docs/benchmarks.md section 3.
+
+    ``choice_only``: only the deviations that can change rule step 1's choices (the
+    configurations run, their sites, folds and records); a reused judge or a missing
+    judge / mi4afa row changes a comparison row, never a choice.
+    """
     out = []
     missing = [r for r in PREREG_READS if r not in args.reads]
     if missing:
@@ -792,12 +798,6 @@ def prereg_deviations(args):
                    f"{len(prereg_names())} configurations, so the rule chose among these only")
     elif args.no_stack:
         out.append("configuration 9 (stacking) not run (--no-stack)")
-    if args.judge_from:
-        out.append(getattr(args, "judge_note", f"judge reused from {args.judge_from}"))
-    elif args.no_judge:
-        out.append("no PromptedJudge row (--no-judge)")
-    if args.no_mi4afa:
-        out.append("no mi4afa row (--no-mi4afa)")
     if args.sites != "stride:3":
         out.append(f"sites {args.sites!r} instead of 'stride:3'")
     if (args.folds, args.inner_folds, args.repeats) != (5, 5, 3):
@@ -805,6 +805,14 @@ def prereg_deviations(args):
                    f"GroupKFold({args.inner_folds}) instead of 5 x 3, inner 5")
     if args.limit:
         out.append(f"first {args.limit} records only (--limit)")
+    if choice_only:
+        return out
+    if args.judge_from:
+        out.append(getattr(args, "judge_note", f"judge reused from {args.judge_from}"))
+    elif args.no_judge:
+        out.append("no PromptedJudge row (--no-judge)")
+    if args.no_mi4afa:
+        out.append("no mi4afa row (--no-mi4afa)")
     return out
 
 
@@ -818,8 +826,10 @@ def prereg_markdown(result):
         f"Prompt budget {result['budget']} tokens (context {result['context']}); "
         + "; ".join(result["shortening"].values()) + ".  ",
         f"Sites searched: {', '.join(result['probe_sites'])}.", "",
-        *([("**Partial run — deviations from section 3:** "
-            + "; ".join(result["deviations"]) + "."), ""] if result.get("deviations") else
+        *([(("**Partial run — deviations from section 3:** "
+              if result.get("choice_deviations", result["deviations"])
+              else "**Deviations from section 3 (no choice of rule step 1 is affected):** ")
+             + "; ".join(result["deviations"]) + "."), ""] if result.get("deviations") else
           ["Complete: every configuration and baseline of section 3.", ""]),
         "| method | step acc % [95% CI] | agent acc % (exact) | agent (normalized) | "
         "agent (substring) | within-1 % | mean abs shift | n |",

@@ -63,7 +63,7 @@ from skafa.models import context_length, load_model
 from skafa.probes import GroupedArgmaxLogisticClassifier
 from skafa.prompt import PromptTemplate, plan
 from skafa.selection import SiteSelector
-from skafa.sites import all_sites
+from skafa.sites import validate_sites
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -103,13 +103,11 @@ def parse_args(argv=None):
 
 def choose_sites(spec: str, n_layers: int) -> list:
     spec = spec.strip()
-    if spec == "all":
-        return all_sites(n_layers)
-    if spec.startswith("stride:"):
-        k = int(spec.split(":", 1)[1])
-        if k < 1:
-            raise SystemExit(f"--sites stride must be >= 1, got {k}")
-        return [f"resid_pre.{layer}" for layer in range(0, n_layers, k)] + ["resid_final"]
+    if spec == "all" or spec.startswith("stride:"):
+        try:
+            return list(validate_sites(spec, n_layers))
+        except ValueError as exc:
+            raise SystemExit(f"--sites: {exc}") from None
     return [s.strip() for s in spec.split(",") if s.strip()]
 
 

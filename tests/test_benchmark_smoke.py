@@ -189,6 +189,8 @@ def test_preregistered_judge_from_earlier_result(tmp_path):
     name = "PromptedJudge (logprob)"
     assert second["predictions"][name] == first["predictions"][name]
     assert any("reused from smoke_synthetic.json" in d for d in second["deviations"])
+    assert not any("reused" in d or "mi4afa" in d for d in second["choice_deviations"])
+    assert any("reads recap, echo not run" in d for d in second["choice_deviations"])
     saved = json.loads(path.read_text())
     saved["record_ids"] = saved["record_ids"][::-1]
     path.write_text(json.dumps(saved))
@@ -234,6 +236,17 @@ def test_apply_prereg_rule_counts_complete_cells_only(tmp_path):
     assert rule.apply_rule([f])["winner"] == "recap: a"
     # no complete cell: no winner
     assert rule.apply_rule([c])["winner"] is None
+    # a reused judge or a missing mi4afa row changes a row, not a choice: still complete
+    path = tmp_path / "m6.json"
+    path.write_text(json.dumps({"preregistered": True, "tag": "m6",
+                                "subset": "Algorithm-Generated", "order": order,
+                                "auto_choices": {"recap: a": 2},
+                                "deviations": ["judge reused", "no mi4afa row"],
+                                "choice_deviations": []}))
+    assert rule.apply_rule([path])["winner"] == "recap: a"
+    path.write_text(json.dumps({**json.loads(path.read_text()),
+                                "choice_deviations": ["first 9 records only"]}))
+    assert rule.apply_rule([path])["winner"] is None
 
 
 def test_apply_prereg_rule_on_the_committed_partial_result():
