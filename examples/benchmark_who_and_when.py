@@ -57,6 +57,13 @@ from skafa import (
     TurnTextTransformer,
 )
 from skafa import metrics as M
+from skafa.configurations import (
+    LOGISTIC_CS,
+    PREREGISTERED_PROBES,
+    PREREGISTERED_READS,
+    STACK_ID,
+    configuration_names,
+)
 from skafa.models import context_length, load_model
 from skafa.prompt import plan
 from skafa.sites import validate_sites
@@ -347,28 +354,15 @@ def plot(result, path):
 # ------------------------------------------------------ pre-registered comparison
 # The configurations and the rule are fixed in docs/benchmarks.md, section 3
 # ("Beat position: the pre-registered comparison"), committed before any run.
-PREREG_READS = ("last", "recap", "echo")
-LOGISTIC_CS = (0.001, 0.01, 0.1)
-SOFTMAX_CS = (0.01, 0.1, 1.0)
-# (id, estimator, C grid, n_sites, features): configurations 1-8 of the table.
-PREREG_PROBES = (
-    ("logistic/single/acts", "logistic", LOGISTIC_CS, 1, "acts"),
-    ("logistic/single/acts+pos", "logistic", LOGISTIC_CS, 1, "acts+pos"),
-    ("logistic/top3/acts", "logistic", LOGISTIC_CS, 3, "acts"),
-    ("logistic/top3/acts+pos", "logistic", LOGISTIC_CS, 3, "acts+pos"),
-    ("softmax/single/acts", "softmax", SOFTMAX_CS, 1, "acts"),
-    ("softmax/single/acts+pos", "softmax", SOFTMAX_CS, 1, "acts+pos"),
-    ("softmax/top3/acts", "softmax", SOFTMAX_CS, 3, "acts"),
-    ("softmax/top3/acts+pos", "softmax", SOFTMAX_CS, 3, "acts+pos"),
-)
-STACK_ID = "stack(probe, position, TF-IDF)"
+# One definition, in skafa.configurations (also what FailureAttributor's default is built from).
+PREREG_READS = PREREGISTERED_READS
+PREREG_PROBES = PREREGISTERED_PROBES
 AUTO = "skafa (pre-registered auto)"
 
 
 def prereg_names(reads=PREREG_READS):
     """The 27 configuration names in the pre-registered order (the tie-break order)."""
-    return [f"{read}: {pid}" for read in reads
-            for pid in [p[0] for p in PREREG_PROBES] + [STACK_ID]]
+    return configuration_names(reads)
 
 
 def make_stacker(extractor, probe_sites, inner):
@@ -522,11 +516,9 @@ def mi4afa_activations(extractor, peer_convs, cache_dir, model_key):
     extraction)``: each cache file records how long its forward pass took.
     """
     import torch
+    from ag2.extensions.mi4afa.activations import ConversationActivations
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
-
-    from ag2.extensions.mi4afa.activations import ConversationActivations
-
     from tqdm.auto import tqdm
 
     out, seconds, recorded = [], 0.0, 0.0
@@ -1008,7 +1000,11 @@ def run(args, argv):
 
     if args.smoke:
         from skafa.models import register_model
-        from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
+        from skafa.testing import (
+            make_conversations,
+            make_tiny_llama,
+            make_tiny_tokenizer,
+        )
 
         register_model("tiny-llama-benchmark", make_tiny_llama(n_layers=2),
                        make_tiny_tokenizer(), overwrite=True)

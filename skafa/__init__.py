@@ -32,7 +32,7 @@ _LAZY = {
 }
 
 _SUBMODULES = {
-    "attributor", "baselines", "cache", "composition", "cost", "datasets", "dummies",
+    "attributor", "baselines", "cache", "composition", "configurations", "cost", "datasets", "dummies",
     "estimators", "extraction", "features", "featurizers", "judge", "metrics", "models",
     "online", "persistence", "pipeline", "probes", "prompt", "selection", "sites",
     "stacking", "testing", "utils",

@@ -1,0 +1,73 @@
+"""skafa.configurations: the pre-registered configurations 1-8, built by name."""
+
+import numpy as np
+import pytest
+from sklearn.model_selection import GroupKFold
+
+from skafa import (
+    GroupedArgmaxLogisticClassifier,
+    GroupedSoftmaxClassifier,
+    SiteSelector,
+    TurnActivationTransformer,
+    TurnFeatureUnion,
+    TurnPositionTransformer,
+)
+from skafa.configurations import (
+    PREREGISTERED_PROBES,
+    RECOMMENDED,
+    configuration_names,
+    make_configuration,
+    parse_configuration,
+)
+
+
+def test_the_27_names_in_the_preregistered_order():
+    names = configuration_names()
+    assert len(names) == 27 and len(set(names)) == 27
+    assert names[0] == "last: logistic/single/acts"
+    assert names[8] == "last: stack(probe, position, TF-IDF)"
+    assert names[-1] == "echo: stack(probe, position, TF-IDF)"
+    assert configuration_names(["recap"]) == names[9:18]
+
+
+@pytest.mark.parametrize("name", [n for n in configuration_names() if "stack" not in n])
+def test_every_configuration_builds_what_its_name_says(name):
+    read, kind, Cs, n_sites, features = parse_configuration(name)
+    extractor, selector = make_configuration(name, "some-model", cache_dir="/tmp/x")
+    acts = extractor
+    if features == "acts+pos":
+        assert isinstance(extractor, TurnFeatureUnion)
+        (n1, acts), (n2, pos) = extractor.transformer_list
+        assert isinstance(pos, TurnPositionTransformer)
+    assert isinstance(acts, TurnActivationTransformer)
+    assert (acts.model, acts.read, acts.sites, acts.cache_dir) == (
+        "some-model", read, "stride:3", "/tmp/x")
+    assert isinstance(selector, SiteSelector)
+    probe = {"logistic": GroupedArgmaxLogisticClassifier,
+             "softmax": GroupedSoftmaxClassifier}[kind]
+    assert type(selector.estimator) is probe
+    assert selector.param_grid == {"C": list(Cs)} and selector.n_sites == n_sites
+    assert isinstance(selector.cv, GroupKFold) and selector.cv.n_splits == 5
+
+
+def test_bad_names_and_fixed_parameters_are_refused():
+    with pytest.raises(ValueError, match="configuration 9"):
+        make_configuration("last: stack(probe, position, TF-IDF)")
+    with pytest.raises(ValueError, match="unknown configuration"):
+        make_configuration("middle: logistic/single/acts")
+    with pytest.raises(ValueError, match="unknown configuration"):
+        make_configuration("last: logistic/top5/acts")
+    with pytest.raises(ValueError, match=r"fixes \['read'\]"):
+        make_configuration(RECOMMENDED, read="mean")
+
+
+def test_the_benchmark_runs_these_definitions():
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "benchmark_who_and_when.py"
+    spec = importlib.util.spec_from_file_location("bench_cfg", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.PREREG_PROBES is PREREGISTERED_PROBES
+    assert bench.prereg_names() == configuration_names()
