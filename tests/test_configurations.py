@@ -1,6 +1,5 @@
 """skafa.configurations: the pre-registered configurations 1-8, built by name."""
 
-import numpy as np
 import pytest
 from sklearn.model_selection import GroupKFold
 
