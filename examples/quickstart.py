@@ -8,9 +8,11 @@ What it does, end to end:
    the longest turns lose their middles first, a marker says how many characters
    went); the script prints how many conversations were shortened and how many
    characters were removed;
-3. reads the model's hidden states at the last token of every turn, at every
-   site, once (one forward pass per conversation; cached on disk);
-4. cross-validates the probe (site chosen by an inner grouped CV) with an outer
+3. reads the model's hidden states at every turn (the read of the recommended
+   configuration, :data:`skafa.configurations.RECOMMENDED`), at every site, once
+   (one forward pass per conversation; cached on disk);
+4. cross-validates the recommended configuration (its probe, with C and the site
+   chosen jointly by an inner grouped CV) with an outer
    ``GroupKFold(5)`` over task ids, so every conversation gets one held-out
    prediction, and prints step / agent / within-1 accuracy with 95% bootstrap
    confidence intervals next to position-only and TF-IDF probes on the same folds
@@ -48,6 +50,7 @@ from sklearn.model_selection import (
 
 from skafa.attributor import FailureAttributor
 from skafa.composition import make_attribution_pipeline
+from skafa.configurations import RECOMMENDED, make_configuration, parse_configuration
 from skafa.datasets import load_who_and_when
 from skafa.dummies import DummyStepClassifier
 from skafa.extraction import TurnActivationTransformer
@@ -62,7 +65,6 @@ from skafa.metrics import (
 from skafa.models import context_length, load_model
 from skafa.probes import GroupedArgmaxLogisticClassifier
 from skafa.prompt import PromptTemplate, plan
-from skafa.selection import SiteSelector
 from skafa.sites import validate_sites
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,7 +91,8 @@ def parse_args(argv=None):
     p.add_argument("--sites", default="stride:3",
                    help="sites the probe's site search compares: 'stride:K' (every K-th "
                         "resid_pre layer, from 0, plus resid_final), 'all', or a "
-                        "comma-separated list such as resid_pre.9,resid_final")
+                        "comma-separated list such as resid_pre.9,resid_final (the "
+                        "recommended configuration searches stride:3)")
     p.add_argument("--limit", type=int, default=None,
                    help="use only the first N records (smoke runs)")
     p.add_argument("--batch-size", type=lambda v: v if v == "auto" else int(v), default=1,
@@ -173,9 +176,13 @@ def main(argv=None):
     # ------------------------------------------------------------- extraction
     # Every site costs the same single forward pass, so read them all once and
     # cache them; the probe's site search then compares a subset.
+    read, _, _, _, features = parse_configuration(RECOMMENDED)
+    print(f"configuration: {RECOMMENDED!r} (skafa.configurations.RECOMMENDED, picked by "
+          "the pre-registered rule; docs/benchmarks.md section 3)")
     t = time.perf_counter()
     extractor = TurnActivationTransformer(
-        args.model, sites=None, prompt=template, device=args.device, dtype=args.dtype,
+        args.model, sites=None, read=read, prompt=template, device=args.device,
+        dtype=args.dtype,
         cache_dir=args.cache_dir or None, batch_size=args.batch_size, verbose=1,
     ).fit(convs)
     estimate = extractor.estimate_cost(convs)
@@ -204,13 +211,22 @@ def main(argv=None):
     sites = choose_sites(args.sites, n_layers)
     X = X_all.select_sites(sites)
     outer = GroupKFold(n_splits=5)
-    probe = SiteSelector(GroupedArgmaxLogisticClassifier(random_state=args.seed),
-                         cv=GroupKFold(n_splits=5))
+    # The recommended configuration as one pipeline over conversations: every fold
+    # reads the activations from the cache filled above and fits everything else
+    # (position features where the configuration has them, C, the site) on its
+    # training part only.
+    config_extractor, selector = make_configuration(
+        RECOMMENDED, args.model, random_state=args.seed, prompt=template,
+        device=args.device, dtype=args.dtype, cache_dir=args.cache_dir or None,
+        batch_size=args.batch_size)
+    config_extractor.set_params(**{"sites" if features == "acts" else "act__sites": sites})
+    probe = make_attribution_pipeline(config_extractor, selector)
+    grid = selector.param_grid
     print(f"cross-validation: outer GroupKFold(5) by task id; inside each training fold "
-          f"SiteSelector picks one of {len(sites)} sites ({', '.join(sites)}) by "
-          "GroupKFold(5)")
+          f"SiteSelector picks one of {len(sites)} sites ({', '.join(sites)}) and "
+          f"{grid} jointly by GroupKFold(5)")
     t = time.perf_counter()
-    pred = {"probe (skafa)": cross_val_predict(probe, X, y, groups=groups, cv=outer)}
+    pred = {"probe (skafa)": cross_val_predict(probe, convs, y, groups=groups, cv=outer)}
     times["cross-validation (probe)"] = time.perf_counter() - t
     baselines = {
         "always step 1": DummyStepClassifier(strategy="constant", constant=1),
@@ -261,13 +277,7 @@ def main(argv=None):
     t = time.perf_counter()
     split = GroupShuffleSplit(n_splits=1, test_size=0.2, random_state=args.seed)
     train, test = next(split.split(convs, y, groups))
-    attributor = FailureAttributor(
-        TurnActivationTransformer(args.model, sites=sites, prompt=template,
-                                  device=args.device, cache_dir=args.cache_dir or None,
-                                  batch_size=args.batch_size),
-        SiteSelector(GroupedArgmaxLogisticClassifier(random_state=args.seed),
-                     cv=GroupKFold(n_splits=5)),
-    )
+    attributor = FailureAttributor(config_extractor, selector)
     attributor.fit([convs[i] for i in train])
     times["fit FailureAttributor"] = time.perf_counter() - t
     held_out = [convs[i] for i in test]

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from sklearn.base import BaseEstimator, clone
-from sklearn.model_selection import GroupKFold
 from sklearn.utils.validation import check_is_fitted
 
 from .composition import AttributionPipeline, final_step_call, final_step_input
@@ -334,9 +333,10 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
     :class:`~skafa.extraction.TurnActivationTransformer`, which reads a language
     model's hidden states at every turn — and a ``selector`` fitted on those
     features — by default a :class:`~skafa.selection.SiteSelector` that picks the
-    activation site by grouped cross-validation on the training data and fits a
-    :class:`~skafa.probes.GroupedArgmaxLogisticClassifier` there. Internally it
-    is exactly::
+    activation sites and C by grouped cross-validation on the training data and
+    fits the probe there. Both defaults are the recommended configuration of the
+    pre-registered comparison (:mod:`skafa.configurations`). Internally it is
+    exactly::
 
         AttributionPipeline([("acts", clone(extractor)), ("select", clone(selector))])
 
@@ -347,8 +347,15 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
     Parameters
     ----------
     extractor : str or transformer, default="smollm2"
-        A model name or path (shorthand for ``TurnActivationTransformer(extractor)``),
-        or any transformer mapping a list of :class:`~skafa.Conversation` to
+        A model name or path: shorthand for the extractor of the recommended
+        configuration, :data:`skafa.configurations.RECOMMENDED` (the one the
+        pre-registered comparison's rule picked; today
+        ``TurnActivationTransformer(extractor, read="echo", sites="stride:3")``,
+        see :func:`skafa.configurations.make_configuration`). Its default
+        ``prompt`` refuses conversations that do not fit the model's context
+        (with ``read="echo"`` the transcript is given twice); pass an
+        extractor with a shortening ``prompt`` to shorten them visibly. Or any
+        transformer mapping a list of :class:`~skafa.Conversation` to
         :class:`~skafa.TurnFeatures` (a ``TurnActivationTransformer`` with its
         ``read``, ``sites``, ``prompt``, ``cache_dir``, ``device``... or a
         :class:`~skafa.TurnFeatureUnion` with position features).
@@ -356,8 +363,10 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
         The estimator fitted on the features: anything with ``fit(X, y,
         groups=)``, ``predict``, ``turn_decision_function`` and
         ``turn_predict_proba`` on TurnFeatures (a ``SiteSelector``, a probe, a
-        ``SiteEnsemble``). ``None`` means
-        ``SiteSelector(GroupedArgmaxLogisticClassifier(), cv=GroupKFold(5))``.
+        ``SiteEnsemble``). ``None`` means the recommended configuration's
+        selector (today ``SiteSelector(GroupedSoftmaxClassifier(),
+        cv=GroupKFold(5), n_sites=3, param_grid={"C": [0.01, 0.1, 1.0]})``: C
+        and the three sites averaged chosen jointly on the training data).
 
     Attributes
     ----------
@@ -423,10 +432,14 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
 
     # ------------------------------------------------------------------ build
     def _make_pipeline(self):
-        extractor = (TurnActivationTransformer(self.extractor)
-                     if isinstance(self.extractor, str) else clone(self.extractor))
-        selector = (SiteSelector(GroupedArgmaxLogisticClassifier(), cv=GroupKFold(n_splits=5))
-                    if self.selector is None else clone(self.selector))
+        from .configurations import RECOMMENDED, make_configuration
+
+        model = self.extractor if isinstance(self.extractor, str) else "smollm2"
+        extractor, selector = make_configuration(RECOMMENDED, model)
+        if not isinstance(self.extractor, str):
+            extractor = clone(self.extractor)
+        if self.selector is not None:
+            selector = clone(self.selector)
         return AttributionPipeline([("acts", extractor), ("select", selector)])
 
     # -------------------------------------------------------------------- fit

@@ -65,10 +65,12 @@ PREREGISTERED_PROBES = (
 #: Configuration 9's id (see the module docstring).
 STACK_ID = "stack(probe, position, TF-IDF)"
 
-#: The recommended default (rule step 2; see docs/benchmarks.md, section 3).
-#: Until rule step 2 has been applied to a complete cell this is configuration 1
-#: with ``last``, the first in the pre-registered order.
-RECOMMENDED = "last: logistic/single/acts"
+#: The recommended default: what rule step 2 of the pre-registration picked
+#: (docs/benchmarks.md, section 3). Applied on 2026-12-01 to the one complete
+#: Algorithm-Generated cell, SmolLM2-135M-Instruct, where ``echo: softmax/top3/acts``
+#: was chosen in 6 of the 15 outer fits (next: 2); rerun
+#: ``examples/apply_prereg_rule.py`` as more cells complete.
+RECOMMENDED = "echo: softmax/top3/acts"
 
 
 def configuration_names(reads=PREREGISTERED_READS):

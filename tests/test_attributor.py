@@ -395,3 +395,28 @@ def test_smollm2_on_who_and_when(who_and_when_dir, tmp_path):
     np.testing.assert_array_equal(loaded.predict(test), fa.predict(test))
     elapsed = time.perf_counter() - start
     print(f"\nSmolLM2 FailureAttributor on 20 records: {elapsed:.1f} s; {att!r}\n{report!r}")
+
+
+def test_quickstart_runs_a_configuration_with_position_features(tmp_path, capsys,
+                                                                 monkeypatch):
+    """The main job follows skafa.configurations.RECOMMENDED, whatever its features."""
+    import importlib.util
+    from pathlib import Path
+
+    import skafa.configurations
+
+    monkeypatch.setattr(skafa.configurations, "RECOMMENDED", "last: softmax/top3/acts+pos")
+    data = _write_who_and_when(tmp_path / "wnw", make_conversations(30, seed=12))
+    path = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
+    spec = importlib.util.spec_from_file_location("skafa_example_quickstart_pos", path)
+    quickstart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quickstart)
+    out = quickstart.main(["--data", str(data), "--model", MODEL, "--cache-dir", "",
+                           "--sites", "stride:1", "--n-resamples", "50"])
+    text = capsys.readouterr().out
+    assert "configuration: 'last: softmax/top3/acts+pos'" in text
+    select = out["attributor"].pipeline_.named_steps["select"]
+    assert len(select.best_sites_) == 3 and select.best_params_["C"] in (0.01, 0.1, 1.0)
+    assert any(n.startswith("pos__") for n in
+               out["attributor"].pipeline_.named_steps["acts"].get_feature_names_out())
+    assert out["predictions"]["probe (skafa)"].shape == (30,)

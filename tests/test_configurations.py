@@ -1,5 +1,6 @@
 """skafa.configurations: the pre-registered configurations 1-8, built by name."""
 
+import numpy as np
 import pytest
 from sklearn.model_selection import GroupKFold
 
@@ -11,6 +12,7 @@ from skafa import (
     TurnFeatureUnion,
     TurnPositionTransformer,
 )
+from skafa.attributor import FailureAttributor
 from skafa.configurations import (
     PREREGISTERED_PROBES,
     RECOMMENDED,
@@ -70,3 +72,38 @@ def test_the_benchmark_runs_these_definitions():
     spec.loader.exec_module(bench)
     assert bench.PREREG_PROBES is PREREGISTERED_PROBES
     assert bench.prereg_names() == configuration_names()
+
+
+def test_failure_attributor_defaults_are_the_recommended_configuration():
+    extractor, selector = make_configuration(RECOMMENDED, "smollm2")
+    pipe = FailureAttributor()._make_pipeline()
+    got_x, got_s = pipe.named_steps["acts"], pipe.named_steps["select"]
+    assert repr(got_x) == repr(extractor) and repr(got_s) == repr(selector)
+    # a custom extractor keeps the recommended selector; a custom selector is used as is
+    mine = TurnActivationTransformer("other", sites=["resid_final"])
+    pipe = FailureAttributor(mine)._make_pipeline()
+    assert pipe.named_steps["acts"].get_params() == mine.get_params()
+    assert repr(pipe.named_steps["select"]) == repr(selector)
+    own = SiteSelector(GroupedSoftmaxClassifier(C=3.0))
+    pipe = FailureAttributor("other", own)._make_pipeline()
+    assert pipe.named_steps["select"].estimator.C == 3.0
+    assert pipe.named_steps["acts"].model == "other"
+
+
+def test_recommended_configuration_fits_on_a_tiny_model():
+    from skafa.models import register_model, unregister_model
+    from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
+
+    name = "configurations-tiny"
+    register_model(name, make_tiny_llama(n_layers=4, seed=1), make_tiny_tokenizer())
+    convs = make_conversations(30, seed=2)
+    try:
+        fa = FailureAttributor(name).fit(convs)
+    finally:
+        unregister_model(name)
+    sel = fa.pipeline_.named_steps["select"]
+    assert fa.pipeline_.named_steps["acts"].sites_ == ("resid_pre.0", "resid_pre.3",
+                                                       "resid_final")
+    assert sel.best_params_["C"] in parse_configuration(RECOMMENDED)[2]
+    assert len(sel.cv_results_["params"]) == 3 * len(parse_configuration(RECOMMENDED)[2])
+    assert np.asarray(fa.predict(convs)).shape == (30,)
