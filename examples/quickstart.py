@@ -146,13 +146,18 @@ def main(argv=None):
           f"{model.config.hidden_size}, context {ctx} tokens) loaded in "
           f"{times['model load']:.1f} s")
 
+    read, _, _, n_top, features = parse_configuration(RECOMMENDED)
+    print(f"configuration: {RECOMMENDED!r} (skafa.configurations.RECOMMENDED, picked by "
+          f"the pre-registered rule; docs/benchmarks.md section 3): read={read!r}")
+
     # ---------------------------------------------------------------- prompts
     # Never cut silently: report which prompts exceed the context and shorten
-    # those deliberately, middle of the longest turns first, with a marker.
+    # those deliberately, middle of the longest turns first, with a marker. The
+    # prompt planned is the one of the configuration's read (echo: the transcript twice).
     t = time.perf_counter()
     template = PromptTemplate(shorten="middle_first", max_prompt_tokens=ctx)
-    raw = plan(convs, tokenizer, PromptTemplate(), max_tokens=ctx)
-    short = plan(convs, tokenizer, template, max_tokens=ctx)
+    raw = plan(convs, tokenizer, PromptTemplate(), max_tokens=ctx, read=read)
+    short = plan(convs, tokenizer, template, max_tokens=ctx, read=read)
     times["prompt planning"] = time.perf_counter() - t
     shortened = [r for r in short if r["chars_removed"] > 0]
     total_chars = sum(len(turn.content) for c in convs for turn in c.turns)
@@ -176,9 +181,6 @@ def main(argv=None):
     # ------------------------------------------------------------- extraction
     # Every site costs the same single forward pass, so read them all once and
     # cache them; the probe's site search then compares a subset.
-    read, _, _, _, features = parse_configuration(RECOMMENDED)
-    print(f"configuration: {RECOMMENDED!r} (skafa.configurations.RECOMMENDED, picked by "
-          "the pre-registered rule; docs/benchmarks.md section 3)")
     t = time.perf_counter()
     extractor = TurnActivationTransformer(
         args.model, sites=None, read=read, prompt=template, device=args.device,
@@ -222,8 +224,9 @@ def main(argv=None):
     config_extractor.set_params(**{"sites" if features == "acts" else "act__sites": sites})
     probe = make_attribution_pipeline(config_extractor, selector)
     grid = selector.param_grid
+    what = "one" if n_top == 1 else f"the {n_top} best (their scores averaged)"
     print(f"cross-validation: outer GroupKFold(5) by task id; inside each training fold "
-          f"SiteSelector picks one of {len(sites)} sites ({', '.join(sites)}) and "
+          f"SiteSelector picks {what} of {len(sites)} sites ({', '.join(sites)}) and "
           f"{grid} jointly by GroupKFold(5)")
     t = time.perf_counter()
     pred = {"probe (skafa)": cross_val_predict(probe, convs, y, groups=groups, cv=outer)}
@@ -283,9 +286,12 @@ def main(argv=None):
     held_out = [convs[i] for i in test]
     report = attributor.evaluate(held_out, n_resamples=args.n_resamples,
                                  random_state=args.seed)
-    print(f"\nFailureAttributor fitted on {len(train)} conversations (site chosen by CV on "
-          f"them: {attributor.best_site_}, CV step accuracy "
-          f"{attributor.best_score_:.3f}); {len(test)} held out.")
+    chosen = attributor.pipeline_[-1]
+    score = float(np.max(chosen.candidate_scores_))  # the score C and the sites were chosen by
+    chosen_sites = "+".join(attributor.best_sites_)
+    print(f"\nFailureAttributor fitted on {len(train)} conversations (chosen by CV on "
+          f"them: sites {chosen_sites}, {chosen.best_params_}; CV step accuracy "
+          f"{score:.3f}); {len(test)} held out.")
     print(report)
     example = held_out[0]
     attribution = attributor.attribute(example, top_k=3)

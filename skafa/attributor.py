@@ -374,7 +374,11 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
         The fitted ``acts -> select`` pipeline.
     best_site_ : str
         Site chosen by cross-validation on the training conversations (when the
-        selector chooses one).
+        selector chooses one; with several averaged sites, the best-ranked).
+    best_sites_ : tuple of str
+        All the sites the selector kept (``(best_site_,)`` for one site; the
+        averaged sites with ``n_sites > 1``). Attributions and reports name them
+        joined by ``"+"``.
     best_score_ : float
         Its mean cross-validated step accuracy (idem).
     cv_results_ : dict of ndarray
@@ -478,11 +482,18 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
         pipeline[-1].fit(Xt, y, groups=groups)
         selector = pipeline[-1]
         self.pipeline_ = pipeline
-        for name in ("best_site_", "best_score_", "cv_results_"):
+        for name in ("best_site_", "best_sites_", "best_score_", "cv_results_"):
             if hasattr(selector, name):
                 setattr(self, name, getattr(selector, name))
         self.n_conversations_fit_ = len(convs)
         return self
+
+    def _site_label(self):
+        """The site(s) predictions are read at, for reports: ``"a"`` or ``"a+b+c"``."""
+        sites = getattr(self, "best_sites_", None)
+        if sites and len(sites) > 1:
+            return "+".join(sites)
+        return getattr(self, "best_site_", None)
 
     # ---------------------------------------------------------------- predict
     def _convs(self, X):
@@ -623,7 +634,7 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
             within_1=bootstrap_ci(y, steps, within_k_accuracy, **kw),
             mean_absolute_shift=bootstrap_ci(y, steps, mean_absolute_step_shift, **kw),
             n=len(convs),
-            site=self.best_site_,
+            site=self._site_label(),
             cluster_bootstrap=groups is not None,
             steps=steps,
             agents=pred_agents,
@@ -670,7 +681,7 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
             agent=speakers[step],
             turn_scores=scores,
             turn_probabilities=proba,
-            site=self.best_site_,
+            site=self._site_label(),
             top_k=ranks,
             speakers=tuple(speakers),
             true_step=conversation.mistake_step,

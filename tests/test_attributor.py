@@ -420,3 +420,17 @@ def test_quickstart_runs_a_configuration_with_position_features(tmp_path, capsys
     assert any(n.startswith("pos__") for n in
                out["attributor"].pipeline_.named_steps["acts"].get_feature_names_out())
     assert out["predictions"]["probe (skafa)"].shape == (30,)
+
+
+def test_reports_name_every_averaged_site(conversations):
+    from skafa import GroupedSoftmaxClassifier
+
+    fa = FailureAttributor(
+        TurnActivationTransformer(MODEL, sites=["resid_pre.0", "resid_pre.1", "resid_final"]),
+        SiteSelector(GroupedSoftmaxClassifier(), cv=GroupKFold(3), n_sites=2,
+                     param_grid={"C": [0.1, 1.0]})).fit(conversations[:24])
+    assert len(fa.best_sites_) == 2 and fa.best_sites_[0] == fa.best_site_
+    label = "+".join(fa.best_sites_)
+    assert fa.attribute(conversations[25]).site == label
+    assert fa.evaluate(conversations[24:], n_resamples=50).site == label
+    assert f"site='{label}'" in repr(fa.attribute(conversations[25]))
