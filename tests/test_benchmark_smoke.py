@@ -249,13 +249,17 @@ def test_apply_prereg_rule_counts_complete_cells_only(tmp_path):
     assert rule.apply_rule([path])["winner"] is None
 
 
-def test_apply_prereg_rule_on_the_committed_partial_result():
+def test_apply_prereg_rule_on_the_committed_result_gives_the_default():
+    """The committed SmolLM2 cell is complete, and the rule picks skafa's default."""
+    from skafa.configurations import RECOMMENDED
+
     rule = _load_rule()
     path = (Path(__file__).resolve().parents[1] / "docs" / "results"
             / "prereg_smollm2_Algorithm-Generated.json")
     out = rule.apply_rule([path])
-    assert out["winner"] is None and out["complete"] == []   # echo missing: not complete
-    assert "reads echo not run" in out["left_out"][0][1]
+    assert out["complete"] == ["smollm2 / Algorithm-Generated"] and out["left_out"] == []
+    assert sum(out["tally"].values()) == 15
+    assert out["winner"] == RECOMMENDED
 
 
 def test_prereg_inner_scores_reads_rule_step_one_inputs():
