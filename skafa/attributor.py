@@ -379,6 +379,10 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
         All the sites the selector kept (``(best_site_,)`` for one site; the
         averaged sites with ``n_sites > 1``). Attributions and reports name them
         joined by ``"+"``.
+    best_index_ : int
+        Row of the chosen (candidate, site) in ``cv_results_`` (idem).
+    best_params_ : dict
+        The selector's chosen ``param_grid`` candidate (idem).
     best_score_ : float
         Its mean cross-validated step accuracy (idem).
     cv_results_ : dict of ndarray
@@ -482,7 +486,8 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
         pipeline[-1].fit(Xt, y, groups=groups)
         selector = pipeline[-1]
         self.pipeline_ = pipeline
-        for name in ("best_site_", "best_sites_", "best_score_", "cv_results_"):
+        for name in ("best_site_", "best_sites_", "best_index_", "best_params_",
+                     "best_score_", "cv_results_"):
             if hasattr(selector, name):
                 setattr(self, name, getattr(selector, name))
         self.n_conversations_fit_ = len(convs)

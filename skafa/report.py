@@ -345,7 +345,10 @@ def plot_site_scores(attributor, path=None, *, dpi=120):
     """Cross-validated step accuracy of the probe at every site the attributor compared.
 
     Reads ``attributor.cv_results_`` (mean and standard deviation over the
-    inner folds of the site search); the chosen ``best_site_`` is marked.
+    inner folds of the site search); the chosen site(s) (``best_sites_``, else
+    ``best_site_``) are marked. A joint search over sites and parameters
+    (``SiteSelector(param_grid=...)``) gives one line per candidate, the chosen
+    one drawn solid.
 
     Parameters
     ----------
@@ -365,18 +368,35 @@ def plot_site_scores(attributor, path=None, *, dpi=120):
     check_is_fitted(attributor, "cv_results_")
     plt = _pyplot()
     res = attributor.cv_results_
-    sites = [str(s) for s in res["site"]]
+    rows = [str(s) for s in res["site"]]
     mean = np.asarray(res["mean_test_score"], dtype=np.float64)
     std = np.asarray(res["std_test_score"], dtype=np.float64)
-    best = getattr(attributor, "best_site_", None)
+    # one line per candidate of a joint search (SiteSelector(param_grid=...)), else one
+    params = list(res.get("params", [{}] * len(rows)))
+    keys = [", ".join(f"{k}={v!r}" for k, v in sorted(p.items()) if k != "site")
+            for p in params]
+    candidates = list(dict.fromkeys(keys))
+    sites = list(dict.fromkeys(rows))
+    best_index = getattr(attributor, "best_index_", None)
+    chosen_key = keys[best_index] if best_index is not None else candidates[0]
+    chosen = tuple(getattr(attributor, "best_sites_", None)
+                   or (getattr(attributor, "best_site_", None),))
     x = np.arange(len(sites))
     fig, ax = plt.subplots(figsize=(min(14, 3 + 0.3 * len(sites)), 3.6), dpi=dpi)
-    ax.errorbar(x, mean, yerr=std, fmt="o-", color="#0969da", ecolor="#8c959f", capsize=2,
-                markersize=4, label="mean ± sd over inner folds")
-    if best in sites:
-        b = sites.index(best)
-        ax.plot([b], [mean[b]], marker="*", markersize=15, color=BLAMED_COLOUR,
-                linestyle="none", label=f"chosen: {best}")
+    colours = ["#0969da", "#8250df", "#1a7f37", "#9a6700", "#cf222e", "#57606a"]
+    for j, key in enumerate(candidates):
+        idx = [i for i, k in enumerate(keys) if k == key]
+        xs = [sites.index(rows[i]) for i in idx]
+        label = "mean ± sd over inner folds" + (f" ({key})" if key else "")
+        ax.errorbar(xs, mean[idx], yerr=std[idx], fmt="o-", color=colours[j % len(colours)],
+                    ecolor="#8c959f", capsize=2, markersize=4, label=label,
+                    alpha=1.0 if key == chosen_key else 0.45)
+    marked = [i for i, k in enumerate(keys) if k == chosen_key and rows[i] in chosen]
+    if marked:
+        what = "+".join(s for s in chosen if s is not None)
+        ax.plot([sites.index(rows[i]) for i in marked], mean[marked], marker="*",
+                markersize=15, color=BLAMED_COLOUR, linestyle="none",
+                label=f"chosen: {what}" + (f" ({chosen_key})" if chosen_key else ""))
     ax.set_xticks(x)
     ax.set_xticklabels(sites, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("step accuracy (inner CV)")

@@ -133,6 +133,28 @@ def test_pngs(attribution, fitted, tmp_path):
     plt.close("all")
 
 
+def test_site_plot_of_a_joint_search_has_one_line_per_candidate(fitted, tmp_path):
+    import matplotlib.pyplot as plt
+
+    from skafa import GroupedSoftmaxClassifier
+
+    fa = FailureAttributor(
+        TurnActivationTransformer(MODEL, sites=["resid_pre.0", "resid_pre.1", "resid_final"]),
+        SiteSelector(GroupedSoftmaxClassifier(), cv=GroupKFold(3), n_sites=2,
+                     param_grid={"C": [0.1, 1.0]}),
+    ).fit(make_conversations(24, seed=5))
+    ax = plot_site_scores(fa, tmp_path / "joint.png").axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["resid_pre.0", "resid_pre.1",
+                                                            "resid_final"]
+    texts = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert sum("C=" in t and t.startswith("mean") for t in texts) == 2
+    chosen = [t for t in texts if t.startswith("chosen:")]
+    assert chosen == [f"chosen: {'+'.join(fa.best_sites_)} (C={fa.best_params_['C']!r})"]
+    star = [line for line in ax.get_lines() if line.get_marker() == "*"][0]
+    assert len(star.get_xdata()) == 2
+    plt.close("all")
+
+
 # ------------------------------------------------------------------- Chromium
 def _chromium():
     for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
