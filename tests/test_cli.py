@@ -173,3 +173,36 @@ def test_runs_as_a_module():
     done = subprocess.run([sys.executable, "-m", "skafa.cli", "fit", "--bogus"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "usage: skafa fit" in done.stderr
+
+
+def test_fit_with_a_preregistered_configuration(files, tmp_path, capsys):
+    deep = "cli-tiny-7-layers"  # stride:3 of 7 layers: 4 sites, enough for a top-3 average
+    register_model(deep, make_tiny_llama(n_layers=7), make_tiny_tokenizer(), overwrite=True)
+    try:
+        _fit_configured(files, tmp_path, capsys, deep)
+    finally:
+        unregister_model(deep)
+
+
+def _fit_configured(files, tmp_path, capsys, deep):
+    from skafa.configurations import RECOMMENDED, parse_configuration
+
+    _, train, _, _ = files
+    out = tmp_path / "configured"
+    code = main(["fit", str(train), "--model", deep, "--configuration", "recommended",
+                 "--cv", "3", "--out", str(out)])
+    assert code == EXIT_OK
+    fa = FailureAttributor.load(out)
+    select = fa.pipeline_.named_steps["select"]
+    read, _, Cs, n_sites, _ = parse_configuration(RECOMMENDED)
+    assert fa.pipeline_.named_steps["acts"].read == read
+    assert select.param_grid == {"C": list(Cs)} and select.cv.n_splits == 3
+    assert len(fa.best_sites_) == n_sites
+    assert "+".join(fa.best_sites_) in capsys.readouterr().out
+    # the configuration fixes read, sites and C; an unknown name is a data error
+    code = main(["fit", str(train), "--model", deep, "--configuration", RECOMMENDED,
+                 "--C", "0.5", "--out", str(tmp_path / "x")])
+    assert code == EXIT_DATA and "drop --C" in capsys.readouterr().err
+    code = main(["fit", str(train), "--model", deep, "--configuration", "last: nope",
+                 "--out", str(tmp_path / "y")])
+    assert code == EXIT_DATA and "unknown configuration" in capsys.readouterr().err
