@@ -312,9 +312,20 @@ def _write_who_and_when(folder, convs):
     return folder
 
 
-def test_quickstart_runs_on_tiny_model(tmp_path, capsys):
+def _run_quickstart(data, n_resamples):
+    """examples/quickstart.py's main on the tiny model, memory cache only."""
     import importlib.util
     from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
+    spec = importlib.util.spec_from_file_location("skafa_example_quickstart", path)
+    quickstart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quickstart)
+    return quickstart.main(["--data", str(data), "--model", MODEL, "--cache-dir", "",
+                            "--sites", "stride:1", "--n-resamples", n_resamples])
+
+
+def test_quickstart_runs_on_tiny_model(tmp_path, capsys):
 
     convs = make_conversations(30, seed=11)
     # One conversation longer than the tiny model's 512-token context: it must be
@@ -327,12 +338,7 @@ def test_quickstart_runs_on_tiny_model(tmp_path, capsys):
     convs[0] = dataclasses.replace(convs[0], turns=tuple(turns))
     data = _write_who_and_when(tmp_path / "wnw", convs)
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
-    spec = importlib.util.spec_from_file_location("skafa_example_quickstart", path)
-    quickstart = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(quickstart)
-    out = quickstart.main(["--data", str(data), "--model", MODEL, "--cache-dir", "",
-                           "--sites", "stride:1", "--n-resamples", "100"])
+    out = _run_quickstart(data, "100")
     text = capsys.readouterr().out
 
     assert out["sites"] == ["resid_pre.0", "resid_pre.1", "resid_final"]
@@ -400,19 +406,12 @@ def test_smollm2_on_who_and_when(who_and_when_dir, tmp_path):
 def test_quickstart_runs_a_configuration_with_position_features(tmp_path, capsys,
                                                                  monkeypatch):
     """The main job follows skafa.configurations.RECOMMENDED, whatever its features."""
-    import importlib.util
-    from pathlib import Path
 
     import skafa.configurations
 
     monkeypatch.setattr(skafa.configurations, "RECOMMENDED", "last: softmax/top3/acts+pos")
     data = _write_who_and_when(tmp_path / "wnw", make_conversations(30, seed=12))
-    path = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
-    spec = importlib.util.spec_from_file_location("skafa_example_quickstart_pos", path)
-    quickstart = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(quickstart)
-    out = quickstart.main(["--data", str(data), "--model", MODEL, "--cache-dir", "",
-                           "--sites", "stride:1", "--n-resamples", "50"])
+    out = _run_quickstart(data, "50")
     text = capsys.readouterr().out
     assert "configuration: 'last: softmax/top3/acts+pos'" in text
     select = out["attributor"].pipeline_.named_steps["select"]
