@@ -10,7 +10,7 @@ default and a user's own experiment build them from one definition:
 >>> from skafa.configurations import configuration_names, make_configuration
 >>> configuration_names()[:2]
 ['last: logistic/single/acts', 'last: logistic/single/acts+pos']
->>> extractor, selector = make_configuration("last: softmax/top3/acts", "smollm2")
+>>> extractor, selector = make_configuration("last: softmax/top3/acts", "my-model")
 >>> extractor.read, extractor.sites, selector.n_sites, selector.param_grid
 ('last', 'stride:3', 3, {'C': [0.01, 0.1, 1.0]})
 
