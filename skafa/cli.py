@@ -248,7 +248,7 @@ def _sites(spec, model, device):
         return None
     if spec.startswith("stride:"):
         from .models import load_model
-        from .sites import stride_sites, _parse_stride
+        from .sites import _parse_stride, stride_sites
 
         try:
             k = _parse_stride(spec)
