@@ -32,9 +32,9 @@ _LAZY = {
 }
 
 _SUBMODULES = {
-    "attributor", "baselines", "cache", "composition", "configurations", "cost", "datasets", "dummies",
-    "estimators", "extraction", "features", "featurizers", "judge", "metrics", "models",
-    "online", "persistence", "pipeline", "probes", "prompt", "selection", "sites",
+    "attributor", "baselines", "cache", "composition", "configurations", "cost", "datasets",
+    "dummies", "estimators", "extraction", "features", "featurizers", "judge", "metrics",
+    "models", "online", "persistence", "pipeline", "probes", "prompt", "selection", "sites",
     "stacking", "testing", "utils",
     # not imported by ``import skafa``; loaded on first access
     "integrations", "report", "cli",

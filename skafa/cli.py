@@ -242,23 +242,19 @@ def _load_data(args, *, labelled):
     return convs
 
 
-def _sites(spec, model, device):
+def _sites(spec):
+    """``--sites``: ``None`` (all), ``"stride:K"`` (resolved by the extractor), or a list."""
     spec = spec.strip()
     if spec == "all":
         return None
     if spec.startswith("stride:"):
-        from .models import load_model
-        from .sites import _parse_stride, stride_sites
+        from .sites import _parse_stride
 
         try:
-            k = _parse_stride(spec)
+            _parse_stride(spec)
         except ValueError as exc:
             raise _DataError(f"--sites {spec!r}: stride must be an integer >= 1.") from exc
-        try:
-            m, _ = load_model(model, device=device)
-        except Exception as exc:  # noqa: BLE001 - any loading failure is a model error
-            raise _ModelError(f"cannot load model {model!r}: {exc}") from exc
-        return stride_sites(int(m.config.num_hidden_layers), k)
+        return spec
     sites = [s.strip() for s in spec.split(",") if s.strip()]
     if not sites:
         raise _DataError("--sites is empty.")
@@ -298,7 +294,7 @@ def _make_attributor(args, *, verbose):
         return _configured_attributor(args, prompt, verbose)
     sites = "all" if args.sites is None else args.sites
     return FailureAttributor(
-        TurnActivationTransformer(args.model, sites=_sites(sites, args.model, args.device),
+        TurnActivationTransformer(args.model, sites=_sites(sites),
                                   read=args.read or "last", prompt=prompt,
                                   cache_dir=args.cache_dir, device=args.device,
                                   verbose=verbose),

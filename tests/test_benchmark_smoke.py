@@ -10,11 +10,16 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "benchmark_who_and_when.py"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("benchmark_who_and_when", SCRIPT)
+def _load_example(name):
+    """Import ``examples/<name>.py`` as a module."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPT.parent / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _load():
+    return _load_example("benchmark_who_and_when")
 
 
 def test_benchmark_smoke(tmp_path):
@@ -51,10 +56,7 @@ def test_benchmark_smoke(tmp_path):
     assert mean["n_forward_passes"] == 40 and mean["read"] == "mean"
     assert "read at: mean" in (tmp_path / "out3" / "smoke-mean_synthetic.md").read_text()
     # The two runs compare pairwise from their JSONs.
-    spec = importlib.util.spec_from_file_location(
-        "compare_runs", SCRIPT.parent / "compare_runs.py")
-    cmp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cmp)
+    cmp = _load_example("compare_runs")
     rows = cmp.main([str(tmp_path / "out" / "smoke_synthetic.json"),
                      str(tmp_path / "out3" / "smoke-mean_synthetic.json"), "--n-resamples", "200"])
     assert "probe" in rows and "PromptedJudge (logprob)" not in rows  # B has no judge
@@ -199,12 +201,7 @@ def test_preregistered_judge_from_earlier_result(tmp_path):
 
 
 def _load_rule():
-    spec = importlib.util.spec_from_file_location(
-        "apply_prereg_rule", Path(__file__).resolve().parents[1] / "examples"
-        / "apply_prereg_rule.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load_example("apply_prereg_rule")
 
 
 def test_apply_prereg_rule_counts_complete_cells_only(tmp_path):
@@ -263,11 +260,7 @@ def test_apply_prereg_rule_on_the_committed_result_gives_the_default():
 
 
 def test_prereg_inner_scores_reads_rule_step_one_inputs():
-    spec = importlib.util.spec_from_file_location(
-        "prereg_inner_scores", Path(__file__).resolve().parents[1] / "examples"
-        / "prereg_inner_scores.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _load_example("prereg_inner_scores")
     result = {
         "order": ["a", "b"],
         "summary": {"a": {"step_accuracy": {"estimate": 0.3}},

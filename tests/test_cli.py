@@ -206,3 +206,17 @@ def _fit_configured(files, tmp_path, capsys, deep):
     code = main(["fit", str(train), "--model", deep, "--configuration", "last: nope",
                  "--out", str(tmp_path / "y")])
     assert code == EXIT_DATA and "unknown configuration" in capsys.readouterr().err
+
+
+def test_fit_with_stride_sites(files, tmp_path, capsys):
+    _, train, _, _ = files
+    out = tmp_path / "stride"
+    code = main(["fit", str(train), "--model", MODEL, "--sites", "stride:1", "--cv", "3",
+                 "--out", str(out), "-q"])
+    assert code == EXIT_OK
+    fa = FailureAttributor.load(out)
+    assert fa.pipeline_.named_steps["acts"].sites_ == ("resid_pre.0", "resid_pre.1",
+                                                       "resid_final")
+    code = main(["fit", str(train), "--model", MODEL, "--sites", "stride:0",
+                 "--out", str(tmp_path / "bad"), "-q"])
+    assert code == EXIT_DATA and "stride must be an integer >= 1" in capsys.readouterr().err
