@@ -61,6 +61,7 @@ except ImportError:  # pragma: no cover
     sys.exit("This example needs ag2: pip install 'skafa[ag2]'")
 
 from skafa.integrations.ag2 import conversation_from_trace, failure_attribution_scorer
+from skafa.sites import parse_site_spec
 
 REPO = Path(__file__).resolve().parents[1]
 MANAGER = "chat_manager"
@@ -159,7 +160,7 @@ def main(argv=None):
     t = time.perf_counter()
     fa = FailureAttributor(
         TurnActivationTransformer(
-            args.model, sites=[s.strip() for s in args.sites.split(",") if s.strip()],
+            args.model, sites=parse_site_spec(args.sites),
             prompt=PromptTemplate(shorten="middle_first",
                                   max_prompt_tokens=args.max_prompt_tokens),
             cache_dir=args.cache_dir or None, verbose=1),

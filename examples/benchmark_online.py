@@ -57,7 +57,7 @@ from skafa import metrics as M
 from skafa.models import context_length, load_model
 from skafa.online import OnlineAuditor, safe_prefix_protocol
 from skafa.prompt import plan
-from skafa.sites import validate_sites
+from skafa.sites import parse_site_spec
 
 REPO = Path(__file__).resolve().parents[1]
 #: Position columns an online auditor may use: none depends on the run's final length.
@@ -417,10 +417,8 @@ def main(argv=None):
 
     L = ext.n_layers_
     probe_sites = list(A.sites)
-    if args.sites.startswith("stride:"):
-        probe_sites = list(validate_sites(args.sites, L))
-    elif args.sites != "all":
-        probe_sites = [s.strip() for s in args.sites.split(",") if s.strip()]
+    if args.sites.strip() != "all":
+        probe_sites = list(parse_site_spec(args.sites, L))
     args.probe_sites = probe_sites
 
     label = {"smollm2": "SmolLM2-135M-Instruct"}.get(args.model, tag)

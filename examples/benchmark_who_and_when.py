@@ -66,7 +66,7 @@ from skafa.configurations import (
 )
 from skafa.models import context_length, load_model
 from skafa.prompt import plan
-from skafa.sites import validate_sites
+from skafa.sites import parse_site_spec
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = ("exact", "normalized", "substring")
@@ -647,10 +647,8 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
     L = extractors[args.reads[0]].n_layers_
     A0 = feats[args.reads[0]]
     probe_sites = list(A0.sites)
-    if args.sites.startswith("stride:"):
-        probe_sites = list(validate_sites(args.sites, L))
-    elif args.sites != "all":
-        probe_sites = [s.strip() for s in args.sites.split(",") if s.strip()]
+    if args.sites.strip() != "all":
+        probe_sites = list(parse_site_spec(args.sites, L))
     args.probe_sites = probe_sites
 
     judge_pred = None
@@ -1073,12 +1071,8 @@ def run(args, argv):
 
     L = acts.n_layers_
     probe_sites = list(A.sites)
-    if args.sites != "all":
-        if args.sites.startswith("stride:"):
-            k = int(args.sites.split(":", 1)[1])
-            probe_sites = [f"resid_pre.{l}" for l in range(0, L, k)] + ["resid_final"]
-        else:
-            probe_sites = [s.strip() for s in args.sites.split(",") if s.strip()]
+    if args.sites.strip() != "all":
+        probe_sites = list(parse_site_spec(args.sites, L))
     args.probe_sites = probe_sites
     multi_sites = [f"resid_pre.{L // 4}", f"resid_pre.{L // 2}", f"resid_pre.{3 * L // 4}",
                    "resid_final"]

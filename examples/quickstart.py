@@ -65,7 +65,7 @@ from skafa.metrics import (
 from skafa.models import context_length, load_model
 from skafa.probes import GroupedArgmaxLogisticClassifier
 from skafa.prompt import PromptTemplate, plan
-from skafa.sites import validate_sites
+from skafa.sites import parse_site_spec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -105,13 +105,10 @@ def parse_args(argv=None):
 
 
 def choose_sites(spec: str, n_layers: int) -> list:
-    spec = spec.strip()
-    if spec == "all" or spec.startswith("stride:"):
-        try:
-            return list(validate_sites(spec, n_layers))
-        except ValueError as exc:
-            raise SystemExit(f"--sites: {exc}") from None
-    return [s.strip() for s in spec.split(",") if s.strip()]
+    try:
+        return list(parse_site_spec(spec, n_layers))
+    except ValueError as exc:
+        raise SystemExit(f"--sites: {exc}") from None
 
 
 def fmt_ci(r, digits=3):

@@ -244,21 +244,12 @@ def _load_data(args, *, labelled):
 
 def _sites(spec):
     """``--sites``: ``None`` (all), ``"stride:K"`` (resolved by the extractor), or a list."""
-    spec = spec.strip()
-    if spec == "all":
-        return None
-    if spec.startswith("stride:"):
-        from .sites import _parse_stride
+    from .sites import parse_site_spec
 
-        try:
-            _parse_stride(spec)
-        except ValueError as exc:
-            raise _DataError(f"--sites {spec!r}: stride must be an integer >= 1.") from exc
-        return spec
-    sites = [s.strip() for s in spec.split(",") if s.strip()]
-    if not sites:
-        raise _DataError("--sites is empty.")
-    return sites
+    try:
+        return parse_site_spec(spec)
+    except ValueError as exc:
+        raise _DataError(f"--sites: {exc}") from exc
 
 
 def _check_model(model, device):

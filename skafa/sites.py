@@ -27,6 +27,7 @@ __all__ = [
     "stride_sites",
     "parse_site",
     "validate_sites",
+    "parse_site_spec",
     "site_depth",
     "DecoderLayout",
     "decoder_layout",
@@ -245,6 +246,59 @@ def validate_sites(sites, n_layers):
     if dups:
         raise ValueError(f"Duplicate site(s): {dups}.")
     return tuple(sites)
+
+
+def parse_site_spec(spec, n_layers=None):
+    """Read a site specification written as one string (a command-line flag).
+
+    Parameters
+    ----------
+    spec : str
+        ``"all"``, ``"stride:K"`` or a comma-separated list of site names
+        (``"resid_pre.3, resid_final"``; blanks around names are ignored).
+    n_layers : int or None, default=None
+        With a layer count the specification is resolved and checked by
+        :func:`validate_sites`; without one it is only parsed, into what
+        ``TurnActivationTransformer(sites=...)`` accepts.
+
+    Returns
+    -------
+    sites : None, str, list of str or tuple of str
+        Without ``n_layers``: ``None`` for ``"all"``, the ``"stride:K"`` string
+        (its stride checked), or the list of names. With ``n_layers``: the tuple
+        of :func:`validate_sites`.
+
+    Raises
+    ------
+    TypeError
+        If ``spec`` is not a string.
+    ValueError
+        For a string that is empty or holds no name, a stride that is not an
+        integer >= 1, and (with ``n_layers``) every unknown or duplicate site.
+
+    Examples
+    --------
+    >>> parse_site_spec("resid_pre.1, resid_final")
+    ['resid_pre.1', 'resid_final']
+    >>> parse_site_spec("stride:2", n_layers=4)
+    ('resid_pre.0', 'resid_pre.2', 'resid_final')
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"a site specification is a string, got {type(spec).__name__}.")
+    text = spec.strip()
+    if text == "all":
+        parsed = None
+    elif text.startswith("stride:"):
+        _parse_stride(text)
+        parsed = text
+    else:
+        parsed = [name.strip() for name in text.split(",") if name.strip()]
+        if not parsed:
+            raise ValueError(f"site specification {spec!r} names no site; use 'all', "
+                             "'stride:K' or a comma-separated list of site names.")
+    if n_layers is None:
+        return parsed
+    return validate_sites(parsed, n_layers)
 
 
 # --------------------------------------------------------------------------- layout

@@ -8,6 +8,7 @@ from skafa.sites import (
     all_sites,
     decoder_layout,
     parse_site,
+    parse_site_spec,
     site_depth,
     stride_sites,
     validate_sites,
@@ -43,6 +44,28 @@ def test_stride_sites_and_spec():
     for bad in (0, -2, 1.0, True, "3"):
         with pytest.raises(ValueError, match="stride must be an int >= 1"):
             stride_sites(4, bad)
+
+
+def test_parse_site_spec():
+    assert parse_site_spec("all") is None and parse_site_spec(" all ") is None
+    assert parse_site_spec("stride:3") == "stride:3"
+    assert parse_site_spec(" resid_pre.1 ,resid_final, ") == ["resid_pre.1", "resid_final"]
+    assert parse_site_spec("resid_final") == ["resid_final"]
+    # with a layer count the spec is resolved exactly as validate_sites resolves it
+    assert parse_site_spec("all", 3) == validate_sites(None, 3)
+    assert parse_site_spec("stride:2", 5) == tuple(stride_sites(5, 2))
+    assert parse_site_spec("mlp_in.0,resid_final", 2) == ("mlp_in.0", "resid_final")
+    for bad in ("", " ", ",", " , "):
+        with pytest.raises(ValueError, match="names no site"):
+            parse_site_spec(bad)
+    with pytest.raises(ValueError, match="stride must be an integer >= 1"):
+        parse_site_spec("stride:0")
+    with pytest.raises(ValueError, match=r"'resid_pre.9' \(layer 9 out of range 0..1\)"):
+        parse_site_spec("resid_pre.9", 2)
+    with pytest.raises(ValueError, match="Duplicate"):
+        parse_site_spec("resid_final,resid_final", 2)
+    with pytest.raises(TypeError, match="string"):
+        parse_site_spec(["resid_final"])
 
 
 def test_parse_site():
