@@ -253,12 +253,32 @@ def _sites(spec):
 
 
 def _check_model(model, device):
+    """Load the model once (a clear error if it cannot be); return its layer count."""
     from .models import load_model
+    from .sites import decoder_layout
 
     try:
-        load_model(model, device=device)
+        loaded, _ = load_model(model, device=device)
+        return decoder_layout(loaded).n_layers
     except Exception as exc:  # noqa: BLE001 - any loading failure is a model error
         raise _ModelError(f"cannot load model {model!r}: {type(exc).__name__}: {exc}") from exc
+
+
+def _check_sites(fa, n_layers, args):
+    """The sites exist in the model and are at least as many as the selector averages."""
+    from .sites import validate_sites
+
+    try:
+        sites = validate_sites(fa.extractor.sites, n_layers)
+    except ValueError as exc:
+        raise _DataError(f"--sites: {exc}") from exc
+    n_sites = getattr(fa.selector, "n_sites", 1)
+    if n_sites > len(sites):
+        what = (f"configuration {args.configuration!r}" if args.configuration is not None
+                else "the selector")
+        raise _DataError(f"{what} averages the {n_sites} best sites, but {args.model!r} "
+                         f"({n_layers} layers) has only {len(sites)} of them to compare: "
+                         f"{', '.join(sites)}.")
 
 
 def _make_attributor(args, *, verbose):
@@ -359,8 +379,9 @@ def _cmd_fit(args):
     if n_tasks < args.cv:
         raise _DataError(f"{len(convs)} records of {n_tasks} tasks are too few for --cv "
                          f"{args.cv} grouped folds; lower --cv or add records.")
-    _check_model(args.model, args.device)
+    n_layers = _check_model(args.model, args.device)
     fa = _make_attributor(args, verbose=0 if args.quiet else 1)
+    _check_sites(fa, n_layers, args)
     t = time.perf_counter()
     from .prompt import PromptTooLongError
 
@@ -473,8 +494,9 @@ def _cmd_benchmark(args):
         if args.folds < 2 or n_tasks < args.folds:
             raise _DataError(f"--folds {args.folds} needs at least that many tasks "
                              f"(and >= 2); DATA has {n_tasks}.")
-        _check_model(args.model, args.device)
+        n_layers = _check_model(args.model, args.device)
         base = _make_attributor(args, verbose=0 if args.quiet else 1)
+        _check_sites(base, n_layers, args)
         steps = np.empty(len(convs), dtype=np.int64)
         outer = GroupKFold(args.folds)
         for k, (tr, te) in enumerate(outer.split(convs, y, groups)):

@@ -220,3 +220,22 @@ def test_fit_with_stride_sites(files, tmp_path, capsys):
     code = main(["fit", str(train), "--model", MODEL, "--sites", "stride:0",
                  "--out", str(tmp_path / "bad"), "-q"])
     assert code == EXIT_DATA and "stride must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_fit_names_sites_the_model_lacks(files, tmp_path, capsys):
+    """Sites the model does not have, or too few for the configuration, are data errors."""
+    _, train, _, _ = files
+    code = main(["fit", str(train), "--model", MODEL, "--sites", "resid_pre.99,resid_final",
+                 "--out", str(tmp_path / "a"), "-q"])
+    err = capsys.readouterr().err
+    assert code == EXIT_DATA and "'resid_pre.99' (layer 99 out of range 0..1)" in err
+    # the tiny model has 2 layers: stride:3 gives 2 sites, top3 needs 3
+    code = main(["fit", str(train), "--model", MODEL, "--configuration",
+                 "echo: softmax/top3/acts", "--out", str(tmp_path / "b"), "-q"])
+    err = capsys.readouterr().err
+    assert code == EXIT_DATA and "unexpected" not in err
+    assert "averages the 3 best sites" in err and "resid_pre.0, resid_final" in err
+    code = main(["benchmark", str(train), "--model", MODEL, "--configuration",
+                 "echo: softmax/top3/acts", "--folds", "2", "-q"])
+    assert code == EXIT_DATA and "averages the 3 best sites" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
