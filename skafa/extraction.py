@@ -1036,7 +1036,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
             todo.append(i)
         n_tokens = [int(self.prompt_.encode(X[i], self._tokenizer,
                                             chat_template_kwargs=self.chat_template_kwargs,
-                                            index=i).n_tokens) for i in todo]
+                                            index=i, read=self.read).n_tokens) for i in todo]
         flops = float(np.sum(forward_flops(self._model, n_tokens))) if todo else 0.0
         workers = max(1, _n_workers(self.n_jobs))
         rate = measure_throughput(self._model) if calibrate and todo else None

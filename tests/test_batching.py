@@ -167,6 +167,19 @@ def test_estimate_cost_before_extracting(model_dir, tmp_path):
     assert t.estimate_cost(convs, calibrate=False)["n_to_extract"] == 0
 
 
+@pytest.mark.parametrize("read", ["recap", "echo"])
+def test_estimate_cost_counts_the_tokens_of_the_read(model_dir, read):
+    """recap and echo prompts are longer than the transcript: the estimate counts them."""
+    convs = make_conversations(3, seed=8)
+    last = TurnActivationTransformer(model_dir).fit(convs)
+    t = TurnActivationTransformer(model_dir, read=read).fit(convs)
+    est = t.estimate_cost(convs, calibrate=False)
+    n_tokens = [t.prompt_.encode(c, t._tokenizer, read=read).n_tokens for c in convs]
+    assert est["n_tokens_to_extract"] == sum(n_tokens)
+    n_last = last.estimate_cost(convs, calibrate=False)["n_tokens_to_extract"]
+    assert est["n_tokens_to_extract"] > n_last
+
+
 def test_quickstart_prints_a_plan_and_resumes_after_an_interrupt(model_dir, tmp_path,
                                                                  monkeypatch, capsys):
     import importlib.util
