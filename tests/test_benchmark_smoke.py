@@ -259,6 +259,22 @@ def test_apply_prereg_rule_on_the_committed_result_gives_the_default():
     assert out["winner"] == RECOMMENDED
 
 
+def test_the_default_follows_the_rule_on_every_committed_cell():
+    """Rule step 2 over all committed Algorithm-Generated cells still picks the default.
+
+    A newly committed complete cell that changes the tally fails this test until
+    ``skafa.configurations.RECOMMENDED`` follows it; a partial cell is left out, named.
+    """
+    from skafa.configurations import RECOMMENDED
+
+    rule = _load_rule()
+    paths = sorted((Path(__file__).resolve().parents[1] / "docs" / "results")
+                   .glob("prereg_*_Algorithm-Generated.json"))
+    out = rule.apply_rule(paths)
+    assert len(out["complete"]) + len(out["left_out"]) == len(paths)
+    assert out["winner"] == RECOMMENDED
+
+
 def test_prereg_inner_scores_reads_rule_step_one_inputs():
     module = _load_example("prereg_inner_scores")
     result = {
