@@ -416,9 +416,7 @@ def main(argv=None):
         return {"n_forward_passes": ext.run_stats["n_forward_passes"]}
 
     L = ext.n_layers_
-    probe_sites = list(A.sites)
-    if args.sites.strip() != "all":
-        probe_sites = list(parse_site_spec(args.sites, L))
+    probe_sites = list(parse_site_spec(args.sites, L))  # the extraction read all sites
     args.probe_sites = probe_sites
 
     label = {"smollm2": "SmolLM2-135M-Instruct"}.get(args.model, tag)

@@ -646,9 +646,7 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
         timer.add(f"extraction {read}", time.perf_counter() - t)
     L = extractors[args.reads[0]].n_layers_
     A0 = feats[args.reads[0]]
-    probe_sites = list(A0.sites)
-    if args.sites.strip() != "all":
-        probe_sites = list(parse_site_spec(args.sites, L))
+    probe_sites = list(parse_site_spec(args.sites, L))  # the extraction read all sites
     args.probe_sites = probe_sites
 
     judge_pred = None
@@ -1070,9 +1068,7 @@ def run(args, argv):
         print(f"judge: {timer.t['judge']:.0f}s", flush=True)
 
     L = acts.n_layers_
-    probe_sites = list(A.sites)
-    if args.sites.strip() != "all":
-        probe_sites = list(parse_site_spec(args.sites, L))
+    probe_sites = list(parse_site_spec(args.sites, L))  # the extraction read all sites
     args.probe_sites = probe_sites
     multi_sites = [f"resid_pre.{L // 4}", f"resid_pre.{L // 2}", f"resid_pre.{3 * L // 4}",
                    "resid_final"]
