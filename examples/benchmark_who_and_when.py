@@ -638,14 +638,23 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
                        f"{total_chars:,} turn characters removed "
                        f"({100 * removed / max(total_chars, 1):.1f}%)")
         print(notes[read], flush=True)
-        t = time.perf_counter()
-        ext = TurnActivationTransformer(model=args.model, read=read, prompt=template,
-                                        dtype=args.dtype, cache_dir=args.cache_dir, verbose=1)
-        feats[read] = ext.fit(convs).transform(convs)
-        extractors[read] = ext
-        timer.add(f"extraction {read}", time.perf_counter() - t)
+        extractors[read] = TurnActivationTransformer(
+            model=args.model, read=read, prompt=template, dtype=args.dtype,
+            cache_dir=args.cache_dir, n_jobs=None if args.smoke else args.n_jobs,
+            verbose=1).fit(convs)
+
+    def features(read):
+        """The read's turn vectors, extracted (or read from the cache) on first use."""
+        if read not in feats:
+            t = time.perf_counter()
+            feats[read] = extractors[read].transform(convs)
+            timer.add(f"extraction {read}", time.perf_counter() - t)
+        return feats[read]
+
+    if args.extract_only or not args.resume:  # --resume: fully stored reads are not extracted
+        for read in args.reads:
+            features(read)
     L = extractors[args.reads[0]].n_layers_
-    A0 = feats[args.reads[0]]
     probe_sites = list(parse_site_spec(args.sites, L))  # the extraction read all sites
     args.probe_sites = probe_sites
 
@@ -697,7 +706,7 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
     for r in range(args.repeats):
         outer = GroupKFold(args.folds, shuffle=True, random_state=r)
         rep = {}
-        for k, (train, test) in enumerate(outer.split(A0, y, groups)):
+        for k, (train, test) in enumerate(outer.split(np.zeros((len(convs), 1)), y, groups)):
             t0 = time.perf_counter()
             fold = {}
             for read in args.reads:
@@ -710,7 +719,7 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
                                          f"{r} fold {k} has {p.shape} predictions for "
                                          f"{len(test)} test runs; remove the file.")
                 todo = [n for n in want if n not in done]
-                new = (prereg_read_fold(read, convs, feats[read], extractors[read], y, groups,
+                new = (prereg_read_fold(read, convs, features(read), extractors[read], y, groups,
                                         train, test, args, timer, names=todo)
                        if todo else {})
                 if new and read in stores:

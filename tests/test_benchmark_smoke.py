@@ -130,6 +130,14 @@ def test_preregistered_benchmark_resume(tmp_path):
     b = np.asarray(second["predictions"]["last: logistic/single/acts"])
     assert (a != b).any()                              # the stored (tampered) fit was used
     assert second["predictions"]["TF-IDF"] == first["predictions"]["TF-IDF"]
+    # every fit of the read stored: its turn vectors are not even extracted
+    assert "extraction last" in first["times"] and "extraction last" not in second["times"]
+    one_missing = json.loads(json.dumps(stored))
+    del one_missing["entries"]["0|1"]
+    partial.write_text(json.dumps(one_missing))
+    third = bench.main(argv)
+    assert "extraction last" in third["times"]          # a fit to do: extracted again
+    assert third["predictions"] == second["predictions"]
     # a stored fit of the wrong length: refused, naming the file and the fit
     entry["pred"] = entry["pred"][:-1]
     partial.write_text(json.dumps(stored))
