@@ -30,6 +30,12 @@ conversation at the same moment can each replace the other's file: the last
 writer wins and the other sites are recomputed later; an entry is never corrupt.)
 A failed disk write (full or read-only disk) is reported with a ``RuntimeWarning``
 and extraction goes on.
+
+Claims (:meth:`ActivationCache.claim`) let processes that share a directory split
+the work: a ``<key>.claim`` file, created atomically, says "being extracted
+elsewhere". A claim is advisory: whoever meets another's claim does other
+conversations first and comes back; one left by a killed process only delays that
+conversation, it never blocks it, and a result is correct whoever computes it.
 """
 
 from __future__ import annotations
@@ -298,6 +304,67 @@ class ActivationCache:
             return None
         return os.path.join(self.directory, key[:2], f"{key}.safetensors")
 
+    # ----------------------------------------------------------------- claims
+    def claim(self, key):
+        """Mark ``key`` as being extracted by this process, if nobody else has.
+
+        Creates ``<key>.claim`` beside the entry with ``O_CREAT | O_EXCL`` (atomic
+        on a local or NFSv3+ file system). Advisory only: it orders work between
+        processes sharing the directory and never decides what a result is.
+
+        Parameters
+        ----------
+        key : str
+            From :func:`activation_key`.
+
+        Returns
+        -------
+        claimed : bool
+            ``True``: the claim is this process's (release it with
+            :meth:`release`); also ``True`` without a directory, where there is
+            nobody to share with. ``False``: another process holds it, or the
+            claim could not be written (a read-only directory) — then the caller
+            may extract anyway.
+        """
+        path = self.path(key)
+        if path is None:
+            return True
+        claim = f"{path}.claim"
+        try:
+            os.makedirs(os.path.dirname(claim), exist_ok=True)
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        except OSError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"pid": os.getpid(), "host": _hostname()}))
+        return True
+
+    def release(self, key):
+        """Remove this process's claim on ``key`` (no error if there is none)."""
+        path = self.path(key)
+        if path is not None:
+            try:
+                os.remove(f"{path}.claim")
+            except OSError:
+                pass
+
+    def stat(self, key):
+        """``(size, mtime_ns, inode)`` of the file for ``key``, or ``None`` if there is none.
+
+        Cheap (no read, nothing checked; :meth:`get` checks): tells whether another
+        process wrote the entry since the last look.
+        """
+        path = self.path(key)
+        if path is None:
+            return None
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (st.st_size, st.st_mtime_ns, st.st_ino)
+
     # ------------------------------------------------------------------- read
     def get(self, key, sites, *, n_turns, hidden_size):
         """Cached activations of ``key`` at ``sites``, or ``None`` (a miss).
@@ -426,6 +493,12 @@ class ActivationCache:
 
 
 # ------------------------------------------------------------------- file format
+def _hostname():
+    import socket
+
+    return socket.gethostname()
+
+
 def _crc(values):
     return f"{zlib.crc32(memoryview(np.ascontiguousarray(values)).cast('B')) & 0xFFFFFFFF:08x}"
 

@@ -359,8 +359,13 @@ def extract_activations(model, input_ids, positions, sites, *, starts=None, batc
 
 
 def _extract(model, input_ids, positions, sites, *, starts=None, batch_size=1,
-             pad_token_id=0, early_stop=True, on_done=None):
-    """:func:`extract_activations`, returning ``(values, n_forward_passes)``."""
+             pad_token_id=0, early_stop=True, on_done=None, select=None):
+    """:func:`extract_activations`, returning ``(values, n_forward_passes)``.
+
+    ``select(batch) -> batch``, called right before each batch runs, may leave
+    sequences out (done elsewhere meanwhile, or to come back to); their values stay
+    ``None`` and ``on_done`` is not called for them.
+    """
     import torch
 
     layout = decoder_layout(model)
@@ -375,6 +380,10 @@ def _extract(model, input_ids, positions, sites, *, starts=None, batch_size=1,
     n_passes = 0
     while queue:
         batch = queue.pop()
+        if select is not None:
+            batch = list(select(batch))
+            if not batch:
+                continue
         width = max(lengths[i] for i in batch)
         padded = any(lengths[i] != width for i in batch)
         ids = np.full((len(batch), width), int(pad_token_id), dtype=np.int64)
@@ -507,13 +516,19 @@ def _extract_task(job, items, cache=None, progress=None):
     loses at most the batch in flight; a worker first re-reads the disk cache, so
     a retried task (or another process that got there first) skips what is done.
 
+    With a disk cache, each conversation is looked up again right before its batch
+    runs (another process may have written it meanwhile) and claimed
+    (:meth:`skafa.cache.ActivationCache.claim`); one claimed by another process is
+    put off until everything else is done, then taken from the cache or, if it is
+    still missing (that process died or is slow), extracted here.
+
     Returns
     -------
     values : list of ndarray, in the order of ``items``
     n_passes : int
         Forward passes run.
     n_hits : int
-        Items found in the disk cache on the worker's re-check.
+        Items found in the disk cache on the worker's re-checks.
     """
     sites = job["sites"]
     model = _task_model(job)
@@ -521,6 +536,7 @@ def _extract_task(job, items, cache=None, progress=None):
     recheck = cache is None
     if cache is None and job["cache_dir"] is not None:
         cache = ActivationCache(job["cache_dir"], memory=False)
+    shared = cache is not None and cache.directory is not None
     out = [None] * len(items)
     todo = list(range(len(items)))
     if recheck and cache is not None:
@@ -533,26 +549,72 @@ def _extract_task(job, items, cache=None, progress=None):
             else:
                 out[k] = np.array(hit)
     n_hits = len(items) - len(todo)
+    mine, deferred = set(), []
+    # What the disk held at the first look: a file is read again only once it changes
+    # (a corrupt entry is reported once, then overwritten by this extraction).
+    seen = {k: cache.stat(items[k]["key"]) for k in todo} if shared else {}
 
-    def done(j, acts):
-        item = items[todo[j]]
+    def deliver(k, acts):
+        out[k] = acts
+        if progress is not None:
+            progress(k, acts)
+
+    def take(k, honour_claims):
+        """Whether to run item ``k`` now (else it was found, or is put off)."""
+        nonlocal n_hits
+        item = items[k]
+        if k in mine:
+            return True
+        now = cache.stat(item["key"])
+        if now is not None and now != seen.get(k):
+            seen[k] = now
+            hit = cache.get(item["key"], sites, n_turns=len(item["positions"]),
+                            hidden_size=hidden)
+            if hit is not None:
+                n_hits += 1
+                deliver(k, np.array(hit))
+                return False
+        if cache.claim(item["key"]):
+            mine.add(k)
+            return True
+        if honour_claims:
+            deferred.append(k)
+            return False
+        return True
+
+    def done(k, acts):
+        item = items[k]
         _check_finite(acts, item, sites)
         if cache is not None:
             cache.put(item["key"], sites, acts)
-        out[todo[j]] = acts
-        if progress is not None:
-            progress(todo[j], acts)
+        if k in mine:
+            cache.release(item["key"])
+            mine.discard(k)
+        deliver(k, acts)
+
+    def run(ks, honour_claims):
+        select = None
+        if shared:
+            def select(batch):
+                return [b for b in batch if take(ks[b], honour_claims)]
+        try:
+            return _extract(
+                model, [items[k]["input_ids"] for k in ks], [items[k]["positions"] for k in ks],
+                sites, starts=None if not job["mean"] else [items[k]["starts"] for k in ks],
+                batch_size=job["batch_size"], pad_token_id=job["pad"],
+                on_done=lambda b, acts: done(ks[b], acts), select=select)[1]
+        except _SequenceTooLarge as exc:
+            raise MemoryError(f"{items[ks[exc.index]]['where']}: {exc}") from None
 
     n_passes = 0
-    if todo:
-        try:
-            _, n_passes = _extract(
-                model, [items[k]["input_ids"] for k in todo],
-                [items[k]["positions"] for k in todo], sites,
-                starts=None if not job["mean"] else [items[k]["starts"] for k in todo],
-                batch_size=job["batch_size"], pad_token_id=job["pad"], on_done=done)
-        except _SequenceTooLarge as exc:
-            raise MemoryError(f"{items[todo[exc.index]]['where']}: {exc}") from None
+    try:
+        if todo:
+            n_passes += run(todo, honour_claims=True)
+        if deferred:  # claimed elsewhere: by now in the cache, or extracted here
+            n_passes += run(sorted(deferred), honour_claims=False)
+    finally:
+        for k in mine:
+            cache.release(items[k]["key"])
     return out, n_passes, n_hits
 
 
@@ -724,9 +786,13 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
     Conversations with identical content (same cache key) are extracted once per
     :meth:`transform`, whatever their ids. Across processes that do not share a
     :meth:`transform` call (two jobs on one ``cache_dir``), a conversation is
-    looked up in the disk cache right before its batch runs; two processes that
-    miss at the same moment may both extract it, which is harmless: the results
-    are identical and entries are written atomically (the last writer wins).
+    looked up in the disk cache again right before its batch runs and claimed
+    while it is extracted (:meth:`skafa.cache.ActivationCache.claim`): a process
+    that meets another's claim does the rest first, then takes that conversation
+    from the cache, so two jobs started on the same data split the work instead
+    of repeating it. A conversation still unfinished elsewhere at the end (or
+    whose claim a killed process left behind) is extracted again, which is
+    harmless: the results are identical and entries are written atomically.
 
     Examples
     --------

@@ -1,9 +1,11 @@
 """Tests for skafa.cache: keys, memory LRU, atomic and checked disk entries."""
 
 import glob
+import json
 import multiprocessing
 import os
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -251,3 +253,23 @@ def test_failed_disk_write_warns_and_continues(tmp_path, monkeypatch):
         cache.put(_key(), SITES, _values())
     assert cache.stats["writes"] == 0
     assert cache.get(_key(), SITES, n_turns=3, hidden_size=4) is not None  # memory still works
+
+
+def test_claims_are_exclusive_and_released(tmp_path):
+    a, b = ActivationCache(tmp_path, memory=False), ActivationCache(tmp_path, memory=False)
+    key = "c" * 64
+    assert a.claim(key)
+    assert not b.claim(key) and not a.claim(key)        # one holder at a time
+    claim = Path(a.path(key) + ".claim")
+    assert json.loads(claim.read_text())["pid"] == os.getpid()
+    a.release(key)
+    assert not claim.exists() and b.claim(key)
+    b.release(key)
+    b.release(key)                                      # releasing twice is harmless
+    assert ActivationCache(None, memory=False).claim(key)  # nobody to share with
+    assert a.stat(key) is None
+    a.put(key, ["resid_final"], np.zeros((1, 1, 2), np.float32))
+    first = a.stat(key)
+    assert first is not None
+    a.put(key, ["resid_pre.0"], np.ones((1, 1, 2), np.float32))  # rewritten: a new file
+    assert a.stat(key) != first

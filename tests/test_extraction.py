@@ -354,6 +354,103 @@ def test_disk_cache_reused_by_fresh_transformer(tmp_path, registered):
     assert np.array_equal(got.values, first.select_sites(["resid_final", "mlp_in.0"]).values)
 
 
+def _entry_files(directory):
+    return {Path(f).name: f for f in glob.glob(str(Path(directory) / "*" / "*.safetensors"))}
+
+
+def _one_key_each(name, convs, root):
+    """The cache key of each conversation: the one file its own extraction writes."""
+    keys = []
+    for i, conv in enumerate(convs):
+        t = TurnActivationTransformer(name, cache_dir=root / f"k{i}", memory_cache=False)
+        t.fit([conv]).transform([conv])
+        (file,) = _entry_files(root / f"k{i}")
+        keys.append(file.removesuffix(".safetensors"))
+    return keys
+
+
+def _copy_entries_at_first_forward(model, src, dst, only=None):
+    """Another process finishes conversations while this one runs its first pass."""
+    import shutil
+
+    calls = []
+
+    def hook(module, args, output):
+        if not calls:
+            for fname, path in _entry_files(src).items():
+                if only is None or fname.removesuffix(".safetensors") in only:
+                    target = Path(dst) / fname[:2] / fname
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(path, target)
+        calls.append(1)
+
+    return decoder_layout(model).embedding.register_forward_hook(hook)
+
+
+def test_disk_cache_rechecked_before_every_batch(tmp_path, registered):
+    """Entries another process writes during a transform are used, not recomputed."""
+    model = make_tiny_llama(n_layers=2, seed=16)
+    name = registered(model)
+    convs = make_conversations(3, seed=17)
+    ref = TurnActivationTransformer(name, cache_dir=tmp_path / "ref", memory_cache=False)
+    expected = ref.fit(convs).transform(convs)
+    handle = _copy_entries_at_first_forward(model, tmp_path / "ref", tmp_path / "b")
+    try:
+        t = TurnActivationTransformer(name, cache_dir=tmp_path / "b", memory_cache=False)
+        got = t.fit(convs).transform(convs)
+    finally:
+        handle.remove()
+    assert t.run_stats["n_forward_passes"] == 1          # the other two came from disk
+    assert t.run_stats["disk_hits"] == 2
+    assert np.array_equal(got.values, expected.values)
+    assert not glob.glob(str(tmp_path / "b" / "*" / "*.claim"))  # own claims released
+
+
+def test_a_conversation_claimed_elsewhere_is_done_last_and_taken_from_disk(
+        tmp_path, registered):
+    """Two jobs on one cache split the work: a claimed conversation waits its turn."""
+    from skafa.cache import ActivationCache
+
+    model = make_tiny_llama(n_layers=2, seed=18)
+    name = registered(model)
+    convs = make_conversations(3, seed=19)
+    keys = _one_key_each(name, convs, tmp_path)
+    ref = TurnActivationTransformer(name, cache_dir=tmp_path / "ref", memory_cache=False)
+    expected = ref.fit(convs).transform(convs)
+    for c in range(3):
+        shared = tmp_path / f"shared{c}"
+        other = ActivationCache(shared, memory=False)   # the other process
+        assert other.claim(keys[c]) and not other.claim(keys[c])
+        # ... finishes conversation c while this one runs its first pass
+        handle = _copy_entries_at_first_forward(model, tmp_path / "ref", shared, {keys[c]})
+        try:
+            t = TurnActivationTransformer(name, cache_dir=shared, memory_cache=False)
+            got = t.fit(convs).transform(convs)
+        finally:
+            handle.remove()
+        assert t.run_stats["n_forward_passes"] == 2, c   # c was put off, then read
+        assert np.array_equal(got.values, expected.values)
+        claims = glob.glob(str(shared / "*" / "*.claim"))
+        assert [Path(f).name for f in claims] == [f"{keys[c]}.safetensors.claim"]
+
+
+def test_a_claim_left_by_a_killed_process_delays_but_never_blocks(tmp_path, registered):
+    from skafa.cache import ActivationCache
+
+    name = registered(make_tiny_llama(n_layers=2, seed=20))
+    convs = make_conversations(3, seed=21)
+    keys = _one_key_each(name, convs, tmp_path)
+    stale = ActivationCache(tmp_path / "shared", memory=False)
+    for key in keys:                                      # claimed, never written
+        assert stale.claim(key)
+    t = TurnActivationTransformer(name, cache_dir=tmp_path / "shared", memory_cache=False)
+    got = t.fit(convs).transform(convs)
+    assert t.run_stats["n_forward_passes"] == 3
+    ref = TurnActivationTransformer(name, memory_cache=False).fit(convs).transform(convs)
+    assert np.array_equal(got.values, ref.values)
+    assert len(_entry_files(tmp_path / "shared")) == 3
+
+
 def test_missing_site_recomputed_then_merged(tmp_path, registered):
     name = registered(make_tiny_llama(n_layers=2, seed=14))
     convs = make_conversations(2, seed=15)
