@@ -87,7 +87,8 @@ def _add_model_options(p):
                         "(skafa.configurations), e.g. 'echo: softmax/top3/acts', or "
                         "'recommended' for skafa.configurations.RECOMMENDED; it fixes the "
                         "read, the sites, the probe and its C grid, so it excludes --sites, "
-                        "--read and --C (default: the probe those three describe)")
+                        "--read and --C (default: 'recommended' when none of those three is "
+                        "given, else the logistic probe they describe)")
     p.add_argument("--sites", default=None,
                    help="activation sites the probe's site search compares: 'all', "
                         "'stride:K' (every K-th resid_pre layer plus resid_final) or a "
@@ -278,7 +279,8 @@ def _check_sites(fa, n_layers, args):
                 else "the selector")
         raise _DataError(f"{what} averages the {n_sites} best sites, but {args.model!r} "
                          f"({n_layers} layers) has only {len(sites)} of them to compare: "
-                         f"{', '.join(sites)}.")
+                         f"{', '.join(sites)}. Choose another --configuration, or fit the "
+                         "logistic probe with --sites (e.g. --sites all).")
 
 
 def _make_attributor(args, *, verbose):
@@ -301,6 +303,8 @@ def _make_attributor(args, *, verbose):
         raise _DataError(f"prompt options: {exc}") from exc
     if args.cv < 2:
         raise _DataError(f"--cv must be >= 2, got {args.cv}.")
+    if args.configuration is None and (args.sites, args.read, args.C) == (None, None, None):
+        args.configuration = "recommended"  # the default follows the pre-registered rule
     if args.configuration is not None:
         return _configured_attributor(args, prompt, verbose)
     sites = "all" if args.sites is None else args.sites

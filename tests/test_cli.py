@@ -189,8 +189,8 @@ def _fit_configured(files, tmp_path, capsys, deep):
 
     _, train, _, _ = files
     out = tmp_path / "configured"
-    code = main(["fit", str(train), "--model", deep, "--configuration", "recommended",
-                 "--cv", "3", "--out", str(out)])
+    # no --configuration, --sites, --read or --C: the recommended configuration
+    code = main(["fit", str(train), "--model", deep, "--cv", "3", "--out", str(out)])
     assert code == EXIT_OK
     fa = FailureAttributor.load(out)
     select = fa.pipeline_.named_steps["select"]
@@ -199,6 +199,17 @@ def _fit_configured(files, tmp_path, capsys, deep):
     assert select.param_grid == {"C": list(Cs)} and select.cv.n_splits == 3
     assert len(fa.best_sites_) == n_sites
     assert "+".join(fa.best_sites_) in capsys.readouterr().out
+    code = main(["fit", str(train), "--model", deep, "--configuration", "recommended",
+                 "--cv", "3", "--out", str(tmp_path / "named"), "-q"])
+    assert code == EXIT_OK
+    assert FailureAttributor.load(tmp_path / "named").best_sites_ == fa.best_sites_
+    # any of --sites, --read, --C: the logistic probe those describe
+    code = main(["fit", str(train), "--model", deep, "--read", "last", "--cv", "3",
+                 "--out", str(tmp_path / "plain"), "-q"])
+    assert code == EXIT_OK
+    plain = FailureAttributor.load(tmp_path / "plain").pipeline_.named_steps["select"]
+    assert type(plain.estimator).__name__ == "GroupedArgmaxLogisticClassifier"
+    assert type(select.estimator).__name__ != "GroupedArgmaxLogisticClassifier"
     # the configuration fixes read, sites and C; an unknown name is a data error
     code = main(["fit", str(train), "--model", deep, "--configuration", RECOMMENDED,
                  "--C", "0.5", "--out", str(tmp_path / "x")])
