@@ -35,7 +35,8 @@ Claims (:meth:`ActivationCache.claim`) let processes that share a directory spli
 the work: a ``<key>.claim`` file, created atomically, says "being extracted
 elsewhere". A claim is advisory: whoever meets another's claim does other
 conversations first and comes back; one left by a killed process only delays that
-conversation, it never blocks it, and a result is correct whoever computes it.
+conversation (and is removed once it is written), it never blocks it, and a result
+is correct whoever computes it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import threading
 import warnings
 import zlib
@@ -333,16 +335,23 @@ class ActivationCache:
         try:
             os.makedirs(os.path.dirname(claim), exist_ok=True)
             fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
+        except OSError:  # FileExistsError: held elsewhere; else not writable here
             return False
-        except OSError:
-            return False
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps({"pid": os.getpid(), "host": _hostname()}))
+        with os.fdopen(fd, "w") as f:  # for a person looking; never read back
+            f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         return True
 
     def release(self, key):
-        """Remove this process's claim on ``key`` (no error if there is none)."""
+        """Remove the claim on ``key``, whoever made it (no error if there is none).
+
+        Extraction calls it once the entry is written, when no claim on ``key``
+        means anything any more, so a claim left by a killed process goes too.
+
+        Parameters
+        ----------
+        key : str
+            From :func:`activation_key`.
+        """
         path = self.path(key)
         if path is not None:
             try:
@@ -351,10 +360,21 @@ class ActivationCache:
                 pass
 
     def stat(self, key):
-        """``(size, mtime_ns, inode)`` of the file for ``key``, or ``None`` if there is none.
+        """Size, modification time and inode of the file for ``key``.
 
         Cheap (no read, nothing checked; :meth:`get` checks): tells whether another
         process wrote the entry since the last look.
+
+        Parameters
+        ----------
+        key : str
+            From :func:`activation_key`.
+
+        Returns
+        -------
+        stat : tuple of (int, int, int) or None
+            ``(st_size, st_mtime_ns, st_ino)``; ``None`` when there is no file (or no
+            directory).
         """
         path = self.path(key)
         if path is None:
@@ -493,12 +513,6 @@ class ActivationCache:
 
 
 # ------------------------------------------------------------------- file format
-def _hostname():
-    import socket
-
-    return socket.gethostname()
-
-
 def _crc(values):
     return f"{zlib.crc32(memoryview(np.ascontiguousarray(values)).cast('B')) & 0xFFFFFFFF:08x}"
 

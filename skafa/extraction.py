@@ -520,7 +520,8 @@ def _extract_task(job, items, cache=None, progress=None):
     runs (another process may have written it meanwhile) and claimed
     (:meth:`skafa.cache.ActivationCache.claim`); one claimed by another process is
     put off until everything else is done, then taken from the cache or, if it is
-    still missing (that process died or is slow), extracted here.
+    still missing (that process died or is slow), extracted here. Once written, a
+    conversation's claim is removed, whoever made it.
 
     Returns
     -------
@@ -587,7 +588,7 @@ def _extract_task(job, items, cache=None, progress=None):
         _check_finite(acts, item, sites)
         if cache is not None:
             cache.put(item["key"], sites, acts)
-        if k in mine:
+        if shared:  # the entry exists: no claim on it means anything now, stale ones too
             cache.release(item["key"])
             mine.discard(k)
         deliver(k, acts)

@@ -449,6 +449,8 @@ def test_a_claim_left_by_a_killed_process_delays_but_never_blocks(tmp_path, regi
     ref = TurnActivationTransformer(name, memory_cache=False).fit(convs).transform(convs)
     assert np.array_equal(got.values, ref.values)
     assert len(_entry_files(tmp_path / "shared")) == 3
+    # written entries take their stale claims with them: the next job is not delayed
+    assert not glob.glob(str(tmp_path / "shared" / "*" / "*.claim"))
 
 
 def test_missing_site_recomputed_then_merged(tmp_path, registered):
