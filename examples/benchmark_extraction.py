@@ -37,7 +37,9 @@ Two more modes:
     The GPU path: ``TurnActivationTransformer(device=..., dtype=..., batch_size=...)``
     against a bare forward in the same dtype on the same padded batches:
     tokens/s, batch sizes, peak memory, and the largest relative error of every
-    site against float32 on the first records.
+    site against float32 on the first records. With ``--device cpu`` and a
+    half-precision ``--dtype``, a bare float32 forward on the same batches is timed in
+    the same repeats (whether half precision pays on this CPU).
 
 Usage::
 
@@ -552,8 +554,16 @@ def run_device(args):
     batches = (_auto_batches(lengths, layout, layout.embedding.weight.device)
                if batch_size == "auto" else _batches(lengths, batch_size))
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    # In another dtype, a bare float32 forward on the same batches and device is timed in
+    # the same interleaved repeats: what the half-precision path buys on this machine.
+    half = torch.device(args.device).type == "cpu" and str(args.dtype) not in (
+        "float32", "torch.float32")
+    decoders = {"bare": layout.decoder}
+    if half:
+        decoders["bare float32"] = decoder_layout(
+            load_model(args.model, device=args.device, dtype="float32")[0]).decoder
 
-    def bare():
+    def bare(decoder):
         with torch.inference_mode():
             for batch in batches:
                 width = max(lengths[i] for i in batch)
@@ -562,24 +572,25 @@ def run_device(args):
                 for b, i in enumerate(batch):
                     ids[b, :lengths[i]] = torch.as_tensor(encs[i].input_ids)
                     mask[b, :lengths[i]] = 1
-                layout.decoder(input_ids=ids.to(args.device), attention_mask=mask.to(args.device),
-                               use_cache=False)
+                decoder(input_ids=ids.to(args.device), attention_mask=mask.to(args.device),
+                        use_cache=False)
 
     def skafa_run():
         t = TurnActivationTransformer(args.model, device=args.device, dtype=args.dtype,
                                       batch_size=batch_size, memory_cache=False).fit(convs)
         return t, t.transform(convs)
 
-    results = {"bare": [], "skafa": []}
+    order = [*decoders, "skafa"]
+    results = {name: [] for name in order}
     peaks = {}
     for rep in range(args.repeats):
-        for name in (("bare", "skafa") if rep % 2 == 0 else ("skafa", "bare")):
+        for name in (order if rep % 2 == 0 else order[::-1]):
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
             s = time.perf_counter()
-            out = bare() if name == "bare" else skafa_run()
+            out = skafa_run() if name == "skafa" else bare(decoders[name])
             _sync(args.device)
             results[name].append(time.perf_counter() - s)
             if cuda:
@@ -587,8 +598,8 @@ def run_device(args):
                                   (torch.cuda.max_memory_allocated() - base) / 2**20)
             if name == "skafa":
                 extractor, X = out
-        print(f"repeat {rep + 1}: bare {results['bare'][-1]:.2f}s, "
-              f"skafa {results['skafa'][-1]:.2f}s", flush=True)
+        print(f"repeat {rep + 1}: " + ", ".join(f"{name} {results[name][-1]:.2f}s"
+                                                for name in order), flush=True)
     tokens = sum(lengths)
     bare_s, skafa_s = min(results["bare"]), min(results["skafa"])
 
@@ -618,6 +629,9 @@ def run_device(args):
         f"| skafa `TurnActivationTransformer` (fit + transform, all sites, incl. rendering) | "
         f"{skafa_s:.2f} | {tokens / skafa_s:.0f} | {skafa_s / bare_s:.3f} | "
         f"{peaks.get('skafa', float('nan')):.0f} |",
+        *([f"| bare forward, same batches, float32 | {min(results['bare float32']):.2f} | "
+           f"{tokens / min(results['bare float32']):.0f} | "
+           f"{min(results['bare float32']) / bare_s:.3f} | nan |"] if half else []),
         "",
         f"{args.dtype} vs float32 on the first {k} records: largest relative error of a turn "
         f"vector {err.max():.2e} (at `{extractor.sites_[int(np.argmax(err))]}`), median over "
