@@ -629,9 +629,9 @@ def run_device(args):
         f"| skafa `TurnActivationTransformer` (fit + transform, all sites, incl. rendering) | "
         f"{skafa_s:.2f} | {tokens / skafa_s:.0f} | {skafa_s / bare_s:.3f} | "
         f"{peaks.get('skafa', float('nan')):.0f} |",
-        *([f"| bare forward, same batches, float32 | {min(results['bare float32']):.2f} | "
-           f"{tokens / min(results['bare float32']):.0f} | "
-           f"{min(results['bare float32']) / bare_s:.3f} | nan |"] if half else []),
+        *([(f"| bare forward, same batches, float32 | {min(results['bare float32']):.2f} | "
+            f"{tokens / min(results['bare float32']):.0f} | "
+            f"{min(results['bare float32']) / bare_s:.3f} | nan |")] if half else []),
         "",
         f"{args.dtype} vs float32 on the first {k} records: largest relative error of a turn "
         f"vector {err.max():.2e} (at `{extractor.sites_[int(np.argmax(err))]}`), median over "
