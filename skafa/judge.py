@@ -182,6 +182,85 @@ def _prefix_forward(model, seqs, pad_id, device):
     return out.logits[:, -1, :].float(), _output_cache(out), mask, lengths
 
 
+def _sliding_window(model):
+    """The window of the model's sliding-attention layers, or None if it has none.
+
+    Parameters
+    ----------
+    model : transformers model
+        Its ``config`` is read: ``layer_types`` where present (transformers 5),
+        else ``sliding_window`` with ``use_sliding_window`` (older configs).
+
+    Returns
+    -------
+    window : int or None
+    """
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return int(window) if "sliding_attention" in types else None
+    return int(window) if getattr(config, "use_sliding_window", True) else None
+
+
+def _candidate_logprob(first_logp, logp, end_logp, toks):
+    """Score of one candidate: its tokens' log-probabilities plus the number's end.
+
+    ``first_logp`` is the log-distribution after the prefix, ``logp[j]`` the one
+    after the candidate's token ``j`` (``j < m - 1``) and ``end_logp`` the
+    log-probability that no digit follows the last token.
+    """
+    import torch
+
+    total = first_logp[toks[0]]
+    if len(toks) > 1:
+        tgt = torch.as_tensor(toks[1:], dtype=torch.long, device=logp.device)
+        total = total + logp[: len(toks) - 1].gather(-1, tgt[:, None]).sum()
+    return float(total + end_logp)
+
+
+def _end_of_number_logp(logits, number_mask):
+    """log P(the next token does not start with a digit), per row of ``logits``."""
+    import torch
+
+    ends = torch.as_tensor(~np.asarray(number_mask, dtype=bool), device=logits.device)
+    return torch.logsumexp(logits[..., ends], dim=-1) - torch.logsumexp(logits, -1)
+
+
+def _score_candidates_one_by_one(model, prefixes, continuations, number_mask, pad_id,
+                                 device):
+    """:func:`score_candidates` for sliding-window models: one prefix, one candidate
+    at a time, each candidate continuing its own copy of the prefix's cache."""
+    import copy
+
+    import torch
+
+    scores = []
+    for prefix, conts in zip(prefixes, continuations):
+        first_logits, cache, _, lengths = _prefix_forward(model, [prefix], pad_id, device)
+        first_logp = torch.log_softmax(first_logits[0], dim=-1)
+        row = np.empty(len(conts), dtype=np.float64)
+        for c, toks in enumerate(conts):
+            m = len(toks)
+            with torch.inference_mode():
+                out = model(
+                    input_ids=torch.as_tensor([list(toks)], dtype=torch.long, device=device),
+                    position_ids=(lengths[0] + torch.arange(m, device=device))[None],
+                    use_cache=True,
+                    logits_to_keep=0,
+                    **{_cache_kwarg(model): copy.deepcopy(cache)},
+                )
+            logits = out.logits[0].float()
+            row[c] = _candidate_logprob(first_logp, torch.log_softmax(logits, dim=-1),
+                                        _end_of_number_logp(logits[m - 1], number_mask), toks)
+        scores.append(row)
+    return scores
+
+
 def score_candidates(model, prefixes, continuations, number_mask, *, pad_id=0):
     """Log-probability of every candidate continuation, reusing the prefix KV cache.
 
@@ -193,6 +272,12 @@ def score_candidates(model, prefixes, continuations, number_mask, *, pad_id=0):
     its position id continues its prefix's. The score of a candidate with tokens
     ``t_0..t_{m-1}`` is ``sum_j log p(t_j | prefix, t_<j) + log P(next token
     does not start with a digit | prefix, t_0..t_{m-1})``.
+
+    A model with sliding-window attention layers (Gemma-2, Gemma-3, Mistral)
+    keeps only the last window of keys in those layers' cache, and a custom mask
+    cannot express the window, so there each sequence's prefix runs alone and
+    each candidate continues a copy of that prefix's cache through the model's
+    own masking: the same scores, one small forward pass per candidate.
 
     Parameters
     ----------
@@ -216,6 +301,9 @@ def score_candidates(model, prefixes, continuations, number_mask, *, pad_id=0):
     import torch
 
     device = next(model.parameters()).device
+    if _sliding_window(model) is not None:
+        return _score_candidates_one_by_one(model, prefixes, continuations, number_mask,
+                                            pad_id, device)
     first_logits, cache, mask2d, lengths = _prefix_forward(model, prefixes, pad_id, device)
     B, L = mask2d.shape
     first_logp = torch.log_softmax(first_logits, dim=-1)
@@ -258,8 +346,7 @@ def score_candidates(model, prefixes, continuations, number_mask, *, pad_id=0):
         )
     logits = out.logits.float()
     logp = torch.log_softmax(logits, dim=-1)
-    ends_number = torch.as_tensor(~np.asarray(number_mask, dtype=bool), device=logits.device)
-    end_logp = torch.logsumexp(logits[..., ends_number], dim=-1) - torch.logsumexp(logits, -1)
+    end_logp = _end_of_number_logp(logits, number_mask)
 
     scores = []
     for b, conts in enumerate(continuations):
@@ -267,12 +354,8 @@ def score_candidates(model, prefixes, continuations, number_mask, *, pad_id=0):
         row = np.empty(len(conts), dtype=np.float64)
         for c, toks in enumerate(conts):
             s, m = int(offs[c]), len(toks)
-            total = first_logp[b, toks[0]]
-            if m > 1:
-                tgt = torch.as_tensor(toks[1:], dtype=torch.long, device=logp.device)
-                total = total + logp[b, s:s + m - 1].gather(-1, tgt[:, None]).sum()
-            total = total + end_logp[b, s + m - 1]
-            row[c] = float(total)
+            row[c] = _candidate_logprob(first_logp[b], logp[b, s:s + m - 1],
+                                        end_logp[b, s + m - 1], toks)
         scores.append(row)
     return scores
 

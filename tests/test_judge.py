@@ -17,6 +17,7 @@ from skafa.models import register_model
 from skafa.prompt import PromptTemplate
 from skafa.testing import (
     make_conversations,
+    make_tiny_gemma3,
     make_tiny_llama,
     make_tiny_qwen2,
     make_tiny_tokenizer,
@@ -25,6 +26,7 @@ from skafa.testing import (
 LLAMA = "skafa-test-judge-llama"
 QWEN = "skafa-test-judge-qwen2"
 FORCED = "skafa-test-judge-forced"
+GEMMA3 = "skafa-test-judge-gemma3"
 
 
 def _sharpen(model, scale=30.0):
@@ -45,6 +47,12 @@ def tiny():
     qwen = _sharpen(make_tiny_qwen2(max_position_embeddings=4096, seed=4))
     qwen.set_attn_implementation("sdpa")  # llama: eager attention; qwen2: sdpa (as SmolLM2)
     register_model(QWEN, qwen, tok, overwrite=True)
+    # Gemma-3 (as Gemma-3-270M): sliding-window layers whose KV cache keeps only the
+    # last `sliding_window` tokens; the window is far shorter than the prompts here.
+    gemma3 = _sharpen(make_tiny_gemma3(max_position_embeddings=4096, seed=6, n_layers=3,
+                                       sliding_window=8))
+    gemma3.set_attn_implementation("sdpa")
+    register_model(GEMMA3, gemma3, tok, overwrite=True)
     # A model that always writes the token " 2": its answer is known in advance.
     forced = make_tiny_llama(max_position_embeddings=4096, seed=5)
     head = torch.nn.Linear(forced.config.hidden_size, forced.config.vocab_size, bias=True)
@@ -91,7 +99,7 @@ def _brute_force_scores(model, tok, prompt_ids, answer_prefix, n_steps, *, termi
 
 
 # ----------------------------------------------------------------------------- logprob mode
-@pytest.mark.parametrize("name", [LLAMA, QWEN])
+@pytest.mark.parametrize("name", [LLAMA, QWEN, GEMMA3])
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_logprob_scores_match_brute_force(tiny, convs, name, batch_size):
     judge = PromptedJudge(name, batch_size=batch_size).fit(convs)
