@@ -30,6 +30,7 @@ forward pass; the PromptedJudge's scores are cached next to them.
 from __future__ import annotations
 
 import argparse
+import copy
 import contextlib
 import hashlib
 import json
@@ -476,16 +477,32 @@ def _shortened_for_peer(conv, tokenizer, template):
     return list(enc.shortened_contents or [t.content for t in conv.turns])
 
 
+# skafa's plain-text rendering for base models (skafa.prompt: BOS, the messages joined
+# by a blank line, a newline) as a chat template, for mi4afa on a tokenizer without one.
+# (newlines as expressions: chat templates render with trim_blocks, which would eat a
+# literal newline after a block tag)
+PLAIN_CHAT_TEMPLATE = ("{% if bos_token %}{{ bos_token }}{% endif %}{% for m in messages %}"
+                       "{% if not loop.first %}{{ '\\n\\n' }}{% endif %}{{ m['content'] }}"
+                       "{% endfor %}{{ '\\n' }}")
+
+
 def mi4afa_setup(model, tokenizer, convs, template, layers, n_layers):
     """mi4afa's extractor on the same model object, and its conversations.
 
     Conversations come from skafa's loader (speakers kept) with the turn contents
     skafa's shortening policy produced at the same budget; a prompt still longer than
     the context for mi4afa's own (longer) wording is shortened further, by 5% of the
-    budget at a time, and counted.
+    budget at a time, and counted. A tokenizer without a chat template (a base model)
+    gets :data:`PLAIN_CHAT_TEMPLATE` in mi4afa's copy only.
     """
     from ag2.extensions import mi4afa
 
+    if not getattr(tokenizer, "chat_template", None):
+        # mi4afa renders its prompt through the tokenizer's chat template, which a base
+        # model (Gemma-3-270M) lacks: give mi4afa alone a copy whose template is skafa's
+        # plain-text rendering, with mi4afa's own wording inside (said in the result).
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
     sites = [mi4afa.ActivationSite(int(layer), "resid_pre") for layer in layers]
     sites.append(mi4afa.ActivationSite(int(n_layers), "resid_final"))
     extractor = mi4afa.ActivationExtractor(model, tokenizer, sites=sites)
@@ -524,10 +541,12 @@ def mi4afa_activations(extractor, peer_convs, cache_dir, model_key):
     out, seconds, recorded = [], 0.0, 0.0
     folder = Path(cache_dir) / "mi4afa" if cache_dir else None
     for pc in tqdm(peer_convs, desc="mi4afa: extracting activations", unit="conv"):
-        key = hashlib.sha256(json.dumps({
-            "model": model_key, "sites": [str(s) for s in extractor.sites],
-            "conv": [pc.question, pc.ground_truth, [[t.name, t.content] for t in pc.history]],
-        }, sort_keys=True).encode()).hexdigest()[:32]
+        spec = {"model": model_key, "sites": [str(s) for s in extractor.sites],
+                "conv": [pc.question, pc.ground_truth,
+                         [[t.name, t.content] for t in pc.history]]}
+        if extractor.tokenizer.chat_template == PLAIN_CHAT_TEMPLATE:  # not the model's own
+            spec["chat_template"] = PLAIN_CHAT_TEMPLATE
+        key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:32]
         path = folder / f"{key}.safetensors" if folder else None
         if path is not None and path.exists():
             values = load_file(str(path))["values"]
@@ -679,6 +698,9 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
                                                            model_key)
         timer.add("extraction mi4afa", time.perf_counter() - t)
         peer = {"n_shortened_further": int(n_extra), "extraction_seconds_uncached": m_seconds,
+                "prompt_rendering": ("chat template" if getattr(tokenizer, "chat_template", None)
+                                     else "skafa's plain-text rendering as mi4afa's chat "
+                                          "template (the tokenizer has none)"),
                 "extraction_seconds_all_records": round(m_recorded, 1)}
     if args.extract_only:
         print(f"extract-only: activations cached ({', '.join(args.reads)}"

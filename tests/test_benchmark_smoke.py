@@ -169,6 +169,31 @@ def test_shared_single_and_top_equals_separate_selection(estimator):
         np.testing.assert_array_equal(pred, sel.predict(Xte))
 
 
+def test_mi4afa_runs_on_a_tokenizer_without_chat_template():
+    """A base model's tokenizer has no chat template, which mi4afa's prompt needs: mi4afa
+    gets a copy rendering skafa's plain text (the caller's tokenizer is left alone)."""
+    pytest.importorskip("ag2.extensions.mi4afa", reason="ag2 (the test extra) not installed")
+    import copy
+
+    from skafa.prompt import PromptTemplate, _plain_text
+    from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
+
+    bench = _load()
+    tok = copy.deepcopy(make_tiny_tokenizer())
+    tok.chat_template = None
+    convs = make_conversations(3, seed=2)
+    template = PromptTemplate(shorten="middle_first", max_prompt_tokens=2048)
+    ext, peer_convs, n_extra = bench.mi4afa_setup(make_tiny_llama(max_position_embeddings=4096),
+                                                  tok, convs, template, [0], 2)
+    assert tok.chat_template is None and ext.tokenizer is not tok and n_extra == 0
+    for pc, conv in zip(peer_convs, convs):
+        msgs = ext.template.messages(pc)
+        text = ext.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        assert text == _plain_text(tok, msgs)
+        enc = ext.encode(pc)
+        assert len(enc.turn_positions) == len(conv)
+
+
 def test_preregistered_extract_only_fills_caches(tmp_path):
     """--extract-only fills skafa's and mi4afa's caches and fits nothing."""
     pytest.importorskip("ag2.extensions.mi4afa", reason="ag2 (the test extra) not installed")
