@@ -66,10 +66,10 @@ PREREGISTERED_PROBES = (
 STACK_ID = "stack(probe, position, TF-IDF)"
 
 #: The recommended default: what rule step 2 of the pre-registration picked
-#: (docs/benchmarks.md, section 3). Applied on 2026-12-02 to the two complete
-#: Algorithm-Generated cells, SmolLM2-135M-Instruct and Qwen2.5-Coder-0.5B-Instruct,
-#: where ``echo: softmax/top3/acts`` was chosen in 6 of the 30 outer fits (next: 3);
-#: rerun ``examples/apply_prereg_rule.py`` as more cells complete.
+#: (docs/benchmarks.md, section 3). Applied on 2026-12-03 to all three
+#: Algorithm-Generated cells the rule names (SmolLM2-135M-Instruct,
+#: Qwen2.5-Coder-0.5B-Instruct, Gemma-3-270M): ``echo: softmax/top3/acts`` was chosen
+#: in 10 of the 45 outer fits (next: 4); ``examples/apply_prereg_rule.py`` reproduces it.
 RECOMMENDED = "echo: softmax/top3/acts"
 
 
