@@ -30,8 +30,8 @@ forward pass; the PromptedJudge's scores are cached next to them.
 from __future__ import annotations
 
 import argparse
-import copy
 import contextlib
+import copy
 import hashlib
 import json
 import os
