@@ -698,9 +698,10 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
                                                            model_key)
         timer.add("extraction mi4afa", time.perf_counter() - t)
         peer = {"n_shortened_further": int(n_extra), "extraction_seconds_uncached": m_seconds,
-                "prompt_rendering": ("chat template" if getattr(tokenizer, "chat_template", None)
-                                     else "skafa's plain-text rendering as mi4afa's chat "
-                                          "template (the tokenizer has none)"),
+                "prompt_rendering": ("skafa's plain-text rendering as mi4afa's chat template "
+                                     "(the tokenizer has none)"
+                                     if ext_m.tokenizer.chat_template == PLAIN_CHAT_TEMPLATE
+                                     else "chat template"),
                 "extraction_seconds_all_records": round(m_recorded, 1)}
     if args.extract_only:
         print(f"extract-only: activations cached ({', '.join(args.reads)}"

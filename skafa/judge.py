@@ -182,8 +182,8 @@ def _prefix_forward(model, seqs, pad_id, device):
     return out.logits[:, -1, :].float(), _output_cache(out), mask, lengths
 
 
-def _sliding_window(model):
-    """The window of the model's sliding-attention layers, or None if it has none.
+def _has_sliding_window(model):
+    """Whether any attention layer of the model attends within a sliding window.
 
     Parameters
     ----------
@@ -193,18 +193,17 @@ def _sliding_window(model):
 
     Returns
     -------
-    window : int or None
+    bool
     """
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
+    if not getattr(config, "sliding_window", None):
+        return False
     types = getattr(config, "layer_types", None)
     if types is not None:
-        return int(window) if "sliding_attention" in types else None
-    return int(window) if getattr(config, "use_sliding_window", True) else None
+        return "sliding_attention" in types
+    return bool(getattr(config, "use_sliding_window", True))
 
 
 def _candidate_logprob(first_logp, logp, end_logp, toks):
@@ -301,7 +300,7 @@ def score_candidates(model, prefixes, continuations, number_mask, *, pad_id=0):
     import torch
 
     device = next(model.parameters()).device
-    if _sliding_window(model) is not None:
+    if _has_sliding_window(model):
         return _score_candidates_one_by_one(model, prefixes, continuations, number_mask,
                                             pad_id, device)
     first_logits, cache, mask2d, lengths = _prefix_forward(model, prefixes, pad_id, device)
