@@ -57,6 +57,7 @@ from skafa import (
     TurnPositionTransformer,
     TurnTextTransformer,
 )
+from skafa.attention import banded_sliding_window_attention
 from skafa import metrics as M
 from skafa.configurations import (
     LOGISTIC_CS,
@@ -529,6 +530,10 @@ def mi4afa_setup(model, tokenizer, convs, template, layers, n_layers):
 def mi4afa_activations(extractor, peer_convs, cache_dir, model_key):
     """mi4afa's activations for every conversation, cached as safetensors by content.
 
+    mi4afa's forward passes run on the shared model object inside
+    :func:`skafa.attention.banded_sliding_window_attention`, like skafa's own (a
+    no-op unless the model has sliding-window layers on ``"sdpa"``).
+
     Returns ``(activations, seconds spent now, seconds of every record's first
     extraction)``: each cache file records how long its forward pass took.
     """
@@ -555,7 +560,8 @@ def mi4afa_activations(extractor, peer_convs, cache_dir, model_key):
             out.append(ConversationActivations(pc, tuple(extractor.sites), values))
             continue
         t = time.perf_counter()
-        acts = extractor.extract(pc)
+        with banded_sliding_window_attention(extractor.model):  # as skafa's own passes
+            acts = extractor.extract(pc)
         took = time.perf_counter() - t
         seconds += took
         recorded += took
@@ -615,7 +621,8 @@ def peer_cost(args, convs, template, extractor_m, peer_convs):
         _, s, mem = peak_rss_during(lambda: cold.transform([convs[i]]))
         rows["skafa"][0] += s
         rows["skafa"][1] = max(rows["skafa"][1], mem)
-        _, s, mem = peak_rss_during(lambda: extractor_m.extract(peer_convs[i]))
+        with banded_sliding_window_attention(extractor_m.model):
+            _, s, mem = peak_rss_during(lambda: extractor_m.extract(peer_convs[i]))
         rows["mi4afa"][0] += s
         rows["mi4afa"][1] = max(rows["mi4afa"][1], mem)
     return {k: {"seconds": round(v[0], 1), "peak_extra_rss_mib": round(v[1], 1), "n": n}

@@ -32,10 +32,10 @@ _LAZY = {
 }
 
 _SUBMODULES = {
-    "attributor", "baselines", "cache", "composition", "configurations", "cost", "datasets",
-    "dummies", "estimators", "extraction", "features", "featurizers", "judge", "metrics",
-    "models", "online", "persistence", "pipeline", "probes", "prompt", "selection", "sites",
-    "stacking", "testing", "utils",
+    "attention", "attributor", "baselines", "cache", "composition", "configurations", "cost",
+    "datasets", "dummies", "estimators", "extraction", "features", "featurizers", "judge",
+    "metrics", "models", "online", "persistence", "pipeline", "probes", "prompt", "selection",
+    "sites", "stacking", "testing", "utils",
     # not imported by ``import skafa``; loaded on first access
     "integrations", "report", "cli",
 }

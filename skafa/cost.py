@@ -35,6 +35,8 @@ import time
 
 import numpy as np
 
+from .attention import banded_sliding_window_attention
+
 __all__ = ["forward_flops", "layer_parameters", "measure_throughput"]
 
 
@@ -82,8 +84,29 @@ def forward_flops(model, n_tokens, *, n_layers=None) -> float:
     per_layer = layer_parameters(model) / total
     d_attn = _attention_width(model)
     n = np.asarray(n_tokens, dtype=np.float64)
-    flops = run * (2.0 * n * per_layer + 2.0 * n * n * d_attn)
+    n_sliding, window = _sliding_layers(model, run)
+    # 4 d_attn flops per attended (query, key) pair: n**2 / 2 pairs in a causal
+    # layer, about n * W in a sliding-window one (skafa.attention runs it on the band).
+    pairs = (run - n_sliding) * n * n / 2.0
+    if n_sliding:
+        pairs = pairs + n_sliding * n * np.minimum(n / 2.0, float(window))
+    flops = run * 2.0 * n * per_layer + 4.0 * pairs * d_attn
     return float(flops) if flops.ndim == 0 else flops
+
+
+def _sliding_layers(model, run):
+    """``(number of sliding-window layers among the first run, window)``."""
+    from .attention import has_sliding_window
+
+    if not has_sliding_window(model):
+        return 0, 0
+    config = model.config
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return int(run), int(config.sliding_window)
+    return sum(t == "sliding_attention" for t in list(types)[:run]), int(config.sliding_window)
 
 
 def measure_throughput(model, *, n_tokens=512, repeats=2, seed=0):
@@ -119,7 +142,7 @@ def measure_throughput(model, *, n_tokens=512, repeats=2, seed=0):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), banded_sliding_window_attention(layout.decoder):
             layout.decoder(input_ids=ids, use_cache=False)
         if device.type == "cuda":
             torch.cuda.synchronize(device)

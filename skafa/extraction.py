@@ -29,6 +29,7 @@ import numpy as np
 from sklearn.base import BaseEstimator, TransformerMixin
 from sklearn.utils.validation import check_is_fitted
 
+from .attention import banded_sliding_window_attention
 from .cache import ActivationCache, activation_key
 from .features import TurnFeatures
 from .models import ModelHandle
@@ -176,7 +177,8 @@ class SiteReader:
                 self._counts = counts[:, None]
             handles = self._register()
             try:
-                with torch.inference_mode():
+                with torch.inference_mode(), banded_sliding_window_attention(
+                        self.layout.decoder):
                     try:
                         cache = ({"use_cache": False} if past_key_values is None else
                                  {"use_cache": True,

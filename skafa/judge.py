@@ -36,6 +36,7 @@ from sklearn.base import BaseEstimator
 from sklearn.utils import Bunch
 from sklearn.utils.validation import check_is_fitted
 
+from .attention import banded_sliding_window_attention, has_sliding_window
 from .models import ModelHandle
 from .persistence import PersistenceMixin
 from .prompt import PromptTemplate
@@ -182,30 +183,6 @@ def _prefix_forward(model, seqs, pad_id, device):
     return out.logits[:, -1, :].float(), _output_cache(out), mask, lengths
 
 
-def _has_sliding_window(model):
-    """Whether any attention layer of the model attends within a sliding window.
-
-    Parameters
-    ----------
-    model : transformers model
-        Its ``config`` is read: ``layer_types`` where present (transformers 5),
-        else ``sliding_window`` with ``use_sliding_window`` (older configs).
-
-    Returns
-    -------
-    bool
-    """
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    if not getattr(config, "sliding_window", None):
-        return False
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        return "sliding_attention" in types
-    return bool(getattr(config, "use_sliding_window", True))
-
-
 def _candidate_logprob(first_logp, logp, end_logp, toks):
     """Score of one candidate: its tokens' log-probabilities plus the number's end.
 
@@ -300,9 +277,10 @@ def score_candidates(model, prefixes, continuations, number_mask, *, pad_id=0):
     import torch
 
     device = next(model.parameters()).device
-    if _has_sliding_window(model):
-        return _score_candidates_one_by_one(model, prefixes, continuations, number_mask,
-                                            pad_id, device)
+    if has_sliding_window(model):
+        with banded_sliding_window_attention(model):
+            return _score_candidates_one_by_one(model, prefixes, continuations, number_mask,
+                                                pad_id, device)
     first_logits, cache, mask2d, lengths = _prefix_forward(model, prefixes, pad_id, device)
     B, L = mask2d.shape
     first_logp = torch.log_softmax(first_logits, dim=-1)
@@ -381,7 +359,8 @@ def greedy_generate(model, prefixes, max_new_tokens, *, pad_id=0, eos_ids=()):
 
     device = next(model.parameters()).device
     eos = set(int(e) for e in eos_ids)
-    logits, cache, mask2d, lengths = _prefix_forward(model, prefixes, pad_id, device)
+    with banded_sliding_window_attention(model):
+        logits, cache, mask2d, lengths = _prefix_forward(model, prefixes, pad_id, device)
     B = len(prefixes)
     out_ids = [[] for _ in range(B)]
     done = [False] * B

@@ -105,3 +105,16 @@ def test_benchmark_read_mean_help(capsys):
         module.main(["--help"])
     assert exc.value.code == 0
     assert "--repeats" in capsys.readouterr().out
+
+
+def test_benchmark_sliding_attention_smoke(tmp_path):
+    bench = _load("benchmark_sliding_attention")
+    out = tmp_path / "rows.json"
+    rows = bench.main(["--smoke", "--out", str(out)])
+    assert [r["n_tokens"] for r in rows] == [128, 512]
+    for r in rows:
+        assert r["dense_s"] > 0 and r["banded_s"] > 0
+        assert r["max_rel_diff"] < 1e-4
+    import json
+
+    assert json.loads(out.read_text())["rows"] == rows
