@@ -650,6 +650,17 @@ def baseline_fold(convs, y, groups, train, test, args, judge_pred):
     return out
 
 
+def attention_note(model):
+    """The attention implementation forward passes of this run use, in words."""
+    from skafa.attention import has_sliding_window
+
+    name = getattr(model.config, "_attn_implementation", None) or "eager"
+    if name == "sdpa" and has_sliding_window(model):
+        return ("sdpa; sliding-window layers on their band "
+                "(skafa.attention.banded_sliding_window_attention)")
+    return name
+
+
 def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, command, tag,
                       subset_label, timer, t_all):
     """The pre-registered comparison of docs/benchmarks.md section 3, on one cell."""
@@ -788,6 +799,7 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
         "repeats": args.repeats, "command": command, "reads": list(args.reads),
         "probe_sites": probe_sites, "budget": budget, "context": ctx,
         "shortening": notes, "mi4afa": peer, "deviations": prereg_deviations(args),
+        "attention": attention_note(model),
         "choice_deviations": prereg_deviations(args, choice_only=True),
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python "
                    f"{platform.python_version()}, torch {__import__('torch').__version__}",
