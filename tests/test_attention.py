@@ -190,3 +190,25 @@ def test_forward_flops_counts_the_band():
     # At 40 W the window cuts the two sliding layers' attention to about n * W pairs.
     n = 40 * WINDOW
     assert forward_flops(model, n) < n * linear + 4.0 * 32 * 3 * n * n / 2 * 0.4
+
+
+def test_kv_cache_appends_equal_eager(spy):
+    """A long first append (empty cache) runs banded; the short continuation dense."""
+    from transformers import DynamicCache
+
+    from skafa.extraction import SiteReader
+    from skafa.sites import decoder_layout
+
+    ids = _ids((1, 5 * WINDOW + 3), seed=4)
+    first, second = ids[:, : 4 * WINDOW], ids[:, 4 * WINDOW:]
+    sites = ["resid_pre.2", "resid_final"]
+    out = {}
+    for implementation in ("eager", "sdpa"):
+        model = _gemma3(implementation)
+        reader = SiteReader(decoder_layout(model), sites)
+        cache = DynamicCache(config=model.config)
+        a = reader.run(first, torch.arange(first.shape[1]), past_key_values=cache)
+        b = reader.run(second, torch.arange(second.shape[1]), past_key_values=cache)
+        out[implementation] = torch.cat([a, b]).numpy()
+    assert spy.count(WINDOW) == 2 * 4  # both sliding layers of the first append
+    np.testing.assert_allclose(out["sdpa"], out["eager"], rtol=1e-4, atol=1e-4)
