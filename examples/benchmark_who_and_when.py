@@ -933,22 +933,41 @@ def judge_from_result(args, convs, template):
 
 
 def judge_predictions(args, convs, template, cache_dir):
-    """Zero-shot judge scores for every conversation, cached as JSON next to activations."""
+    """Zero-shot judge scores for every conversation, cached as JSON next to activations.
+
+    Each conversation's scores are written as soon as they exist
+    (``judge/<key>.json``, the key naming the model, prompt, answer prefix and the
+    conversation), so an interrupted run resumes where it stopped; a file of the
+    whole set written by earlier versions (``judge-<key>.json``) is still read.
+    """
+    from tqdm.auto import tqdm
+
     judge = PromptedJudge(model=args.model, prompt=template, dtype=args.dtype)
     judge.fit(convs)
-    key = hashlib.sha256(json.dumps({
-        "model": judge.model_identity_ if hasattr(judge, "model_identity_") else args.model,
-        "prompt": template.fingerprint(), "answer_prefix": judge.answer_prefix,
-        "convs": [skafa.cache.conversation_content(c) for c in convs],
-    }, sort_keys=True, default=str).encode()).hexdigest()[:24]
-    path = Path(cache_dir) / f"judge-{key}.json" if cache_dir else None
-    if path is not None and path.exists():
-        scores = [np.array(s) for s in json.loads(path.read_text())]
-    else:
-        scores = judge.turn_decision_function(convs)
+    head = {"model": judge.model_identity_ if hasattr(judge, "model_identity_") else args.model,
+            "prompt": template.fingerprint(), "answer_prefix": judge.answer_prefix}
+
+    def digest(extra):
+        return hashlib.sha256(json.dumps({**head, **extra}, sort_keys=True,
+                                         default=str).encode()).hexdigest()[:24]
+
+    contents = [skafa.cache.conversation_content(c) for c in convs]
+    whole = Path(cache_dir) / f"judge-{digest({'convs': contents})}.json" if cache_dir else None
+    if whole is not None and whole.exists():
+        scores = [np.array(s) for s in json.loads(whole.read_text())]
+        return np.array([int(np.argmax(s)) for s in scores])
+    scores = []
+    for conv, content in zip(tqdm(convs, desc="judge", unit="conv"), contents):
+        path = (Path(cache_dir) / "judge" / f"{digest({'conv': content})}.json"
+                if cache_dir else None)
+        if path is not None and path.exists():
+            scores.append(np.array(json.loads(path.read_text())))
+            continue
+        s = judge.turn_decision_function([conv])[0]
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps([s.tolist() for s in scores]))
+            path.write_text(json.dumps(np.asarray(s).tolist()))
+        scores.append(np.asarray(s))
     return np.array([int(np.argmax(s)) for s in scores])
 
 

@@ -44,6 +44,8 @@ def test_benchmark_smoke(tmp_path):
     assert np.asarray(saved["predictions"]["probe"]).shape == (1, 40)
     md = (tmp_path / "out" / "smoke_synthetic.md").read_text()
     assert "| probe |" in md and "Paired differences" in md
+    # The judge's scores are cached conversation by conversation, as they come.
+    assert len(list((tmp_path / "cache" / "judge").glob("*.json"))) == 40
     # A second run reads activations and judge scores from the cache: no forward pass.
     again = bench.main(["--smoke", "--out", str(tmp_path / "out2"),
                         "--cache-dir", str(tmp_path / "cache")])
