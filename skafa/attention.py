@@ -15,8 +15,9 @@ out is masked; if any is not (a bidirectional window, a custom mask) the layer
 runs as plain ``"sdpa"``. A left-out pair has weight exactly zero in the dense
 computation, so the two agree up to floating-point summation order
 (``tests/test_attention.py`` checks them against each other and against
-``"eager"``). Global layers, short inputs, layers reading a KV cache, and models
-on any other implementation are untouched.
+``"eager"``). Global layers, short inputs (``n <= 2 W``), continuations that
+read earlier tokens from a KV cache (a first pass into an empty cache is banded),
+and models on any other implementation are untouched.
 
 skafa's own forward passes (extraction, the prompted judge, the cost
 calibration) run inside it; wrap other code that shares the model object the
