@@ -799,7 +799,7 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
         "repeats": args.repeats, "command": command, "reads": list(args.reads),
         "probe_sites": probe_sites, "budget": budget, "context": ctx,
         "shortening": notes, "mi4afa": peer, "deviations": prereg_deviations(args),
-        "attention": attention_note(model),
+        "attention": attention_note(model), "dtype": str(args.dtype),
         "choice_deviations": prereg_deviations(args, choice_only=True),
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python "
                    f"{platform.python_version()}, torch {__import__('torch').__version__}",
@@ -844,6 +844,9 @@ def prereg_deviations(args, *, choice_only=False):
                    f"GroupKFold({args.inner_folds}) instead of 5 x 3, inner 5")
     if args.limit:
         out.append(f"first {args.limit} records only (--limit)")
+    if str(args.dtype) != "float32":
+        out.append(f"model in {args.dtype} instead of float32 (every row that reads the "
+                   f"model: probes, judge, mi4afa)")
     if choice_only:
         return out
     if args.judge_from:
@@ -865,7 +868,7 @@ def prereg_markdown(result):
         f"Prompt budget {result['budget']} tokens (context {result['context']}); "
         + "; ".join(result["shortening"].values()) + ".  ",
         f"Sites searched: {', '.join(result['probe_sites'])}.", "",
-        *([(("**Partial run — deviations from section 3:** "
+        *([(("**Deviations from section 3 (they can change rule step 1's choices):** "
               if result.get("choice_deviations", result["deviations"])
               else "**Deviations from section 3 (no choice of rule step 1 is affected):** ")
              + "; ".join(result["deviations"]) + "."), ""] if result.get("deviations") else

@@ -107,8 +107,24 @@ def test_preregistered_benchmark_smoke(tmp_path):
                      "| mi4afa ProbeAttributor (ag2 1.2.1) |"):
         assert baseline in md, baseline            # every baseline has its row
     # the smoke run leaves out echo and uses other sites and folds: said so
-    assert "Partial run" in md and "reads echo not run: 18 of 27" in md
+    assert "they can change rule step 1's choices" in md
+    assert "reads echo not run: 18 of 27" in md
     assert "sites 'all' instead of 'stride:3'" in md and "GroupKFold(2) x 1 shuffles" in md
+
+
+def test_prereg_deviations_name_the_dtype():
+    """A cell run in another dtype says so, as a deviation that can change choices."""
+    import argparse
+
+    bench = _load()
+    base = dict(reads=list(bench.PREREG_READS), no_stack=False, sites="stride:3", folds=5,
+                inner_folds=5, repeats=3, limit=None, judge_from=None, no_judge=False,
+                no_mi4afa=False)
+    assert bench.prereg_deviations(argparse.Namespace(**base, dtype="float32")) == []
+    args = argparse.Namespace(**base, dtype="bfloat16")
+    for choice_only in (False, True):
+        (dev,) = bench.prereg_deviations(args, choice_only=choice_only)
+        assert dev.startswith("model in bfloat16 instead of float32")
 
 
 def test_preregistered_benchmark_resume(tmp_path):
