@@ -118,3 +118,59 @@ def test_benchmark_sliding_attention_smoke(tmp_path):
     import json
 
     assert json.loads(out.read_text())["rows"] == rows
+
+
+def _who_and_when_records(root, n=2):
+    """A Who&When-shaped folder of ``n`` tiny Algorithm-Generated records."""
+    import json
+
+    for i in range(1, n + 1):
+        path = root / "Algorithm-Generated" / f"{i}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        history = [{"content": f"step {k} of run {i}: the value is {k * i}", "role": "assistant",
+                    "name": f"Expert_{k % 2}"} for k in range(4)]
+        path.write_text(json.dumps({
+            "question": f"q{i}", "ground_truth": "1", "question_ID": f"task{i}",
+            "history": history, "mistake_step": "1", "mistake_agent": "Expert_1",
+            "mistake_reason": "r"}), encoding="utf-8")
+    return root
+
+
+def test_compare_dtypes_on_tiny_model(tmp_path, capsys):
+    from skafa.models import register_model, unregister_model
+    from skafa.testing import make_tiny_llama, make_tiny_tokenizer
+
+    import copy
+
+    import torch
+
+    script = _load("compare_dtypes")
+    data = _who_and_when_records(tmp_path / "data")
+    model = make_tiny_llama()
+    # a registered model is used in the dtype it was registered in: one per dtype
+    register_model("tiny-dtypes-f32", model, make_tiny_tokenizer(), overwrite=True)
+    register_model("tiny-dtypes-bf16", copy.deepcopy(model).to(torch.bfloat16),
+                   make_tiny_tokenizer(), overwrite=True)
+    try:
+        common = ["--data", str(data), "--sites", "all",
+                  "--records", "Algorithm-Generated/1", "Algorithm-Generated/2",
+                  "--cache-dir", str(tmp_path / "cache")]
+        same = script.main([*common, "--model", "tiny-dtypes-f32", "--dtype", "float32"])
+        assert np.asarray(same["median"]).max() == 0.0     # a dtype against itself
+        bf16 = script.main([*common, "--model", "tiny-dtypes-bf16", "--dtype", "bfloat16",
+                            "--reference-model", "tiny-dtypes-f32"])
+        bf16 = np.asarray(bf16["median"])
+        assert bf16.shape == (2, len(same["sites"]))
+        assert 0 < bf16.max() < 0.05                         # bf16 moves vectors, a little
+        assert "| Algorithm-Generated/2 | 4 |" in capsys.readouterr().out
+        with pytest.raises(SystemExit, match="Algorithm-Generated/9"):
+            script.main([*common[:4], "--model", "tiny-dtypes-f32",
+                         "--records", "Algorithm-Generated/9"])
+    finally:
+        unregister_model("tiny-dtypes-f32")
+        unregister_model("tiny-dtypes-bf16")
+    # the relative error itself
+    a = np.ones((2, 1, 4))
+    assert script.relative_errors(a, 1.1 * a) == pytest.approx(np.full((2, 1), 0.1))
+    with pytest.raises(ValueError, match="shapes differ"):
+        script.relative_errors(a, a[:1])
