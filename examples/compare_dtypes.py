@@ -18,15 +18,12 @@ Example (Qwen2.5-Coder-0.5B, two Hand-Crafted records at the 32,768-token budget
 import argparse
 import os
 import sys
-from pathlib import Path
 
 import numpy as np
 
 import skafa
 from skafa import PromptTemplate, TurnActivationTransformer
 from skafa.sites import parse_site_spec
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def relative_errors(reference, other):
@@ -52,8 +49,8 @@ def relative_errors(reference, other):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--data", default=os.environ.get(
-        "SKAFA_WHO_AND_WHEN", str(REPO.parent / "shared" / "data" / "who_and_when")))
+    p.add_argument("--data", default=None, help="Who&When folder (default: "
+                   "skafa.datasets.who_and_when_path(): $SKAFA_WHO_AND_WHEN or the data home)")
     p.add_argument("--subset", default="Algorithm-Generated")
     p.add_argument("--records", nargs="+", required=True, help="record ids, e.g. Hand-Crafted/8")
     p.add_argument("--max-prompt-tokens", type=int, default=8192)
@@ -72,7 +69,8 @@ def main(argv=None):
     by_id = {c.record_id: c for c in data.conversations}
     missing = [r for r in args.records if r not in by_id]
     if missing:
-        raise SystemExit(f"records not in {args.data} ({args.subset}): {', '.join(missing)}")
+        raise SystemExit(f"records not in {args.data or skafa.datasets.who_and_when_path()} "
+                         f"({args.subset}): {', '.join(missing)}")
     convs = [by_id[r] for r in args.records]
     template = PromptTemplate(shorten="middle_first", max_prompt_tokens=args.max_prompt_tokens)
     feats = {}

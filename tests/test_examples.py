@@ -137,12 +137,12 @@ def _who_and_when_records(root, n=2):
 
 
 def test_compare_dtypes_on_tiny_model(tmp_path, capsys):
-    from skafa.models import register_model, unregister_model
-    from skafa.testing import make_tiny_llama, make_tiny_tokenizer
-
     import copy
 
     import torch
+
+    from skafa.models import register_model, unregister_model
+    from skafa.testing import make_tiny_llama, make_tiny_tokenizer
 
     script = _load("compare_dtypes")
     data = _who_and_when_records(tmp_path / "data")
