@@ -13,7 +13,8 @@ Example (Qwen2.5-Coder-0.5B, two Hand-Crafted records at the 32,768-token budget
 
     python examples/compare_dtypes.py --model DIR/qwen2.5-coder-0.5b-instruct.gguf \\
         --subset Hand-Crafted --records Hand-Crafted/8 Hand-Crafted/20 \\
-        --max-prompt-tokens 32768 --dtype bfloat16 --cache-dir ~/.cache/skafa
+        --max-prompt-tokens 32768 --dtype bfloat16 --data DATA/who_and_when \\
+        --cache-dir ~/.cache/skafa
 """
 import argparse
 import os
