@@ -423,10 +423,14 @@ def prereg_read_fold(read, convs, A, extractor, y, groups, train, test, args, ti
     name = f"{read}: {STACK_ID}"
     if not args.no_stack and (names is None or name in names):
         t = time.perf_counter()
+        # The inner folds, and the final fit's out-of-fold base fits, run in parallel
+        # (each fit is deterministic, so the result does not depend on n_jobs). A
+        # registered model (--smoke) exists only in this process: serial there.
+        n_jobs = None if args.smoke else args.n_jobs
         stk = make_stacker(extractor, args.probe_sites, args.inner_folds)
         inner = cross_val_score(stk, ctr, ytr, groups=gtr, cv=GroupKFold(args.inner_folds),
-                                params={"groups": gtr})
-        stk.fit(ctr, ytr, groups=gtr)
+                                params={"groups": gtr}, n_jobs=n_jobs)
+        stk.set_params(n_jobs=n_jobs).fit(ctr, ytr, groups=gtr)
         out[name] = (stk.predict(cte), float(np.mean(inner)), {})
         timer.add("cv stack", time.perf_counter() - t)
     return out
