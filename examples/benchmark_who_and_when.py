@@ -36,6 +36,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -531,12 +532,17 @@ def mi4afa_setup(model, tokenizer, convs, template, layers, n_layers):
     return extractor, peer_convs, n_extra
 
 
-def mi4afa_activations(extractor, peer_convs, cache_dir, model_key):
+def mi4afa_activations(extractor, peer_convs, cache_dir, model_key, dtype="float32"):
     """mi4afa's activations for every conversation, cached as safetensors by content.
 
     mi4afa's forward passes run on the shared model object inside
     :func:`skafa.attention.banded_sliding_window_attention`, like skafa's own (a
     no-op unless the model has sliding-window layers on ``"sdpa"``).
+
+    The cache key holds ``dtype`` unless it is float32 (so float32 entries written
+    before the key had it stay valid). Activations are float32 whether they come from
+    the cache or from a forward pass in another dtype, so a warm and a cold cache give
+    the same probes.
 
     Returns ``(activations, seconds spent now, seconds of every record's first
     extraction)``: each cache file records how long its forward pass took.
@@ -555,6 +561,8 @@ def mi4afa_activations(extractor, peer_convs, cache_dir, model_key):
                          [[t.name, t.content] for t in pc.history]]}
         if extractor.tokenizer.chat_template == PLAIN_CHAT_TEMPLATE:  # not the model's own
             spec["chat_template"] = PLAIN_CHAT_TEMPLATE
+        if str(dtype) != "float32":
+            spec["dtype"] = str(dtype)
         key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:32]
         path = folder / f"{key}.safetensors" if folder else None
         if path is not None and path.exists():
@@ -569,11 +577,11 @@ def mi4afa_activations(extractor, peer_convs, cache_dir, model_key):
         took = time.perf_counter() - t
         seconds += took
         recorded += took
+        values = acts.values.to(torch.float32).contiguous()
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            save_file({"values": acts.values.to(torch.float32).contiguous()}, str(path),
-                      metadata={"seconds": f"{took:.3f}"})
-        out.append(acts)
+            save_file({"values": values}, str(path), metadata={"seconds": f"{took:.3f}"})
+        out.append(ConversationActivations(pc, tuple(extractor.sites), values))
     return out, seconds, recorded
 
 
@@ -717,7 +725,7 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
         model_key = json.dumps(extractors[args.reads[0]].model_identity_, sort_keys=True,
                                default=str)
         m_acts, m_seconds, m_recorded = mi4afa_activations(ext_m, peer_convs, args.cache_dir,
-                                                           model_key)
+                                                           model_key, dtype=args.dtype)
         timer.add("extraction mi4afa", time.perf_counter() - t)
         peer = {"n_shortened_further": int(n_extra), "extraction_seconds_uncached": m_seconds,
                 "prompt_rendering": ("skafa's plain-text rendering as mi4afa's chat template "
@@ -910,12 +918,25 @@ def prereg_markdown(result):
 
 
 # ------------------------------------------------------------------------- main
+def result_dtype(result):
+    """The model dtype of a result file: its ``dtype``, else its command's ``--dtype``.
+
+    Files written before results named the dtype hold it only in their command
+    line, where its absence means the default, float32.
+    """
+    if "dtype" in result:
+        return str(result["dtype"])
+    found = re.search(r"--dtype[ =](\S+)", str(result.get("command", "")))
+    return found.group(1) if found else "float32"
+
+
 def judge_from_result(args, convs, template):
     """The PromptedJudge's predictions of an earlier result file of this script.
 
     The judge fits nothing, so its predictions depend only on the model, the prompt
-    and the records. They are reused only when the earlier file names the same model,
-    the same records in the same order and the same prompt fingerprint, and predicted
+    and the records. They are reused only when the earlier file names the same model
+    and dtype, the same records in the same order and the same prompt fingerprint, and
+    predicted
     the same steps in every repeat; anything else is refused.
     """
     path = Path(args.judge_from)
@@ -926,6 +947,9 @@ def judge_from_result(args, convs, template):
         problems.append(f"model {old.get('model')!r}, not {args.model!r}")
     if old.get("record_ids") != [c.record_id for c in convs]:
         problems.append("other records or another order")
+    old_dtype = result_dtype(old)
+    if old_dtype != str(args.dtype):
+        problems.append(f"dtype {old_dtype}, not {args.dtype}")
     fp = template.fingerprint()[:12]
     if f"fingerprint {fp}" not in str(old.get("prompt_note", "")):
         problems.append(f"not prompt fingerprint {fp}")
@@ -939,20 +963,32 @@ def judge_from_result(args, convs, template):
     return P[0]
 
 
+def judge_cache_head(judge, args, template):
+    """What every judge cache key names besides the conversation(s).
+
+    The model's identity, its dtype (unless float32: keys written before the dtype
+    entry stay valid), the prompt's fingerprint and the answer prefix.
+    """
+    head = {"model": judge.model_identity_ if hasattr(judge, "model_identity_") else args.model,
+            "prompt": template.fingerprint(), "answer_prefix": judge.answer_prefix}
+    if str(args.dtype) != "float32":
+        head["dtype"] = str(args.dtype)
+    return head
+
+
 def judge_predictions(args, convs, template, cache_dir):
     """Zero-shot judge scores for every conversation, cached as JSON next to activations.
 
     Each conversation's scores are written as soon as they exist
-    (``judge/<key>.json``, the key naming the model, prompt, answer prefix and the
-    conversation), so an interrupted run resumes where it stopped; a file of the
+    (``judge/<key>.json``, the key naming the model, its dtype unless float32, the
+    prompt, answer prefix and the conversation), so an interrupted run resumes where it stopped; a file of the
     whole set written by earlier versions (``judge-<key>.json``) is still read.
     """
     from tqdm.auto import tqdm
 
     judge = PromptedJudge(model=args.model, prompt=template, dtype=args.dtype)
     judge.fit(convs)
-    head = {"model": judge.model_identity_ if hasattr(judge, "model_identity_") else args.model,
-            "prompt": template.fingerprint(), "answer_prefix": judge.answer_prefix}
+    head = judge_cache_head(judge, args, template)
 
     def digest(extra):
         return hashlib.sha256(json.dumps({**head, **extra}, sort_keys=True,
@@ -1206,7 +1242,7 @@ def run(args, argv):
         "model": str(args.model), "model_label": label, "tag": tag, "subset": subset_label,
         "n_conversations": len(convs), "folds": args.folds, "inner_folds": args.inner_folds,
         "repeats": args.repeats, "Cs": args.Cs, "site_search": args.sites, "command": command,
-        "read": args.read,
+        "read": args.read, "dtype": str(args.dtype),
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python "
                    f"{platform.python_version()}, torch {__import__('torch').__version__}",
         "date": time.strftime("%Y-%m-%d"),

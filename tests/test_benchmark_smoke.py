@@ -212,6 +212,49 @@ def test_mi4afa_runs_on_a_tokenizer_without_chat_template():
         assert len(enc.turn_positions) == len(conv)
 
 
+def test_mi4afa_activations_float32_and_keyed_by_dtype(tmp_path):
+    """A bfloat16 model's mi4afa activations: float32 whether extracted or read back,
+    and cached under a key of their own (never a float32 run's entries)."""
+    pytest.importorskip("ag2.extensions.mi4afa", reason="ag2 (the test extra) not installed")
+    import torch
+
+    from skafa.prompt import PromptTemplate
+    from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
+
+    bench = _load()
+    convs = make_conversations(2, seed=3)
+    template = PromptTemplate(shorten="middle_first", max_prompt_tokens=2048)
+    model = make_tiny_llama(max_position_embeddings=4096)
+    got = {}
+    for dtype in ("float32", "bfloat16"):
+        ext, peer_convs, _ = bench.mi4afa_setup(model.to(getattr(torch, dtype)),
+                                                make_tiny_tokenizer(), convs, template, [0], 2)
+        cold, _, _ = bench.mi4afa_activations(ext, peer_convs, tmp_path, "m", dtype=dtype)
+        warm, _, _ = bench.mi4afa_activations(ext, peer_convs, tmp_path, "m", dtype=dtype)
+        for a, b in zip(cold, warm):
+            assert a.values.dtype == b.values.dtype == torch.float32
+            assert torch.equal(a.values, b.values)
+        got[dtype] = cold
+    assert len(list((tmp_path / "mi4afa").glob("*.safetensors"))) == 4   # 2 records x 2 dtypes
+    assert not torch.equal(got["float32"][0].values, got["bfloat16"][0].values)
+
+
+def test_judge_cache_key_names_a_non_float32_dtype():
+    """The judge's cached scores of a bfloat16 model are never a float32 run's."""
+    import argparse
+    import types
+
+    from skafa.prompt import PromptTemplate
+
+    bench = _load()
+    judge = types.SimpleNamespace(model_identity_={"kind": "gguf", "file_digest": "d"},
+                                  answer_prefix="Step ")
+    t = PromptTemplate()
+    f32 = bench.judge_cache_head(judge, argparse.Namespace(model="m", dtype="float32"), t)
+    bf16 = bench.judge_cache_head(judge, argparse.Namespace(model="m", dtype="bfloat16"), t)
+    assert "dtype" not in f32 and bf16 == {**f32, "dtype": "bfloat16"}
+
+
 def test_preregistered_extract_only_fills_caches(tmp_path):
     """--extract-only fills skafa's and mi4afa's caches and fits nothing."""
     pytest.importorskip("ag2.extensions.mi4afa", reason="ag2 (the test extra) not installed")
@@ -245,6 +288,18 @@ def test_preregistered_judge_from_earlier_result(tmp_path):
     assert not any("reused" in d or "mi4afa" in d for d in second["choice_deviations"])
     assert any("reads recap, echo not run" in d for d in second["choice_deviations"])
     saved = json.loads(path.read_text())
+    assert saved["dtype"] == "float32"
+    # another dtype, named in the file or (older files) only in its command: refused
+    for dtype_at in ("field", "command"):
+        other = dict(saved)
+        if dtype_at == "field":
+            other["dtype"] = "bfloat16"
+        else:
+            del other["dtype"]
+            other["command"] += " --dtype bfloat16"
+        path.write_text(json.dumps(other))
+        with pytest.raises(SystemExit, match="dtype bfloat16, not float32"):
+            bench.main(argv)
     saved["record_ids"] = saved["record_ids"][::-1]
     path.write_text(json.dumps(saved))
     with pytest.raises(SystemExit, match="other records"):
