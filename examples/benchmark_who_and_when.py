@@ -58,8 +58,8 @@ from skafa import (
     TurnPositionTransformer,
     TurnTextTransformer,
 )
-from skafa.attention import banded_sliding_window_attention
 from skafa import metrics as M
+from skafa.attention import banded_sliding_window_attention
 from skafa.configurations import (
     LOGISTIC_CS,
     PREREGISTERED_PROBES,
