@@ -936,8 +936,7 @@ def judge_from_result(args, convs, template):
     The judge fits nothing, so its predictions depend only on the model, the prompt
     and the records. They are reused only when the earlier file names the same model
     and dtype, the same records in the same order and the same prompt fingerprint, and
-    predicted
-    the same steps in every repeat; anything else is refused.
+    predicted the same steps in every repeat; anything else is refused.
     """
     path = Path(args.judge_from)
     old = json.loads(path.read_text())
@@ -981,8 +980,8 @@ def judge_predictions(args, convs, template, cache_dir):
 
     Each conversation's scores are written as soon as they exist
     (``judge/<key>.json``, the key naming the model, its dtype unless float32, the
-    prompt, answer prefix and the conversation), so an interrupted run resumes where it stopped; a file of the
-    whole set written by earlier versions (``judge-<key>.json``) is still read.
+    prompt, answer prefix and the conversation), so an interrupted run resumes where it
+    stopped; a file of the whole set written by earlier versions (``judge-<key>.json``) is still read.
     """
     from tqdm.auto import tqdm
 

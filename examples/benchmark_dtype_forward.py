@@ -1,0 +1,37 @@
+"""Time one bare forward pass in float32 and in bfloat16, interleaved, on random tokens.
+
+The figure behind the bfloat16 amendment of docs/benchmarks.md section 3 (Qwen
+Hand-Crafted): ``python examples/benchmark_dtype_forward.py --model
+DIR/qwen2.5-coder-0.5b-instruct.gguf --tokens 4096 --repeats 2 --threads 1``.
+"""
+import argparse
+import time
+
+import torch
+
+from skafa.models import load_model
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    models = {d: load_model(args.model, dtype=d)[0] for d in ("float32", "bfloat16")}
+    ids = torch.randint(100, 20000, (1, args.tokens))
+    rows = []
+    for _ in range(args.repeats):
+        for dtype, model in models.items():
+            t = time.perf_counter()
+            with torch.inference_mode():
+                model.model(input_ids=ids)
+            rows.append((dtype, time.perf_counter() - t))
+            print(f"{args.tokens} tokens, {dtype}: {rows[-1][1]:.1f} s", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
