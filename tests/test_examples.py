@@ -174,3 +174,33 @@ def test_compare_dtypes_on_tiny_model(tmp_path, capsys):
     assert script.relative_errors(a, 1.1 * a) == pytest.approx(np.full((2, 1), 0.1))
     with pytest.raises(ValueError, match="shapes differ"):
         script.relative_errors(a, a[:1])
+
+
+def test_benchmark_dtype_forward_on_tiny_model(capsys):
+    import copy
+
+    import torch
+
+    from skafa.models import register_model, unregister_model
+    from skafa.testing import make_tiny_llama, make_tiny_tokenizer
+
+    script = _load("benchmark_dtype_forward")
+    model = make_tiny_llama()
+    register_model("tiny-fwd-f32", model, make_tiny_tokenizer(), overwrite=True)
+    register_model("tiny-fwd-bf16", copy.deepcopy(model).to(torch.bfloat16),
+                   make_tiny_tokenizer(), overwrite=True)
+    threads = torch.get_num_threads()
+    try:
+        rows = script.main(["--model", "tiny-fwd-f32", "--bfloat16-model", "tiny-fwd-bf16",
+                            "--tokens", "64", "--repeats", "2"])
+        # interleaved: float32, bfloat16, float32, bfloat16
+        assert [d for d, _ in rows] == ["float32", "bfloat16"] * 2
+        assert all(s > 0 for _, s in rows)
+        assert "64 tokens, bfloat16:" in capsys.readouterr().out
+        # a registered float32 model cannot stand in for bfloat16 (its dtype is its weights')
+        with pytest.raises(ValueError, match="dtype"):
+            script.main(["--model", "tiny-fwd-f32", "--tokens", "8", "--repeats", "1"])
+    finally:
+        torch.set_num_threads(threads)
+        unregister_model("tiny-fwd-f32")
+        unregister_model("tiny-fwd-bf16")
