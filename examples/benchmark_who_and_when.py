@@ -714,7 +714,12 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
         t = time.perf_counter()
         judge_template = PromptTemplate(shorten="middle_first",
                                         max_prompt_tokens=min(budget, ctx - 16))
-        judge_pred = judge_predictions(args, convs, judge_template, args.cache_dir)
+        judge_store = (Path(args.out) / f"prereg_{tag}_{subset_label}.partial-judge.json"
+                       if args.resume else None)
+        if judge_store is not None:
+            judge_store.parent.mkdir(parents=True, exist_ok=True)
+        judge_pred = judge_predictions(args, convs, judge_template, args.cache_dir,
+                                       store=judge_store)
         timer.add("judge", time.perf_counter() - t)
 
     peer = None
@@ -975,19 +980,65 @@ def judge_cache_head(judge, args, template):
     return head
 
 
-def judge_predictions(args, convs, template, cache_dir):
+class JudgeStore:
+    """The judge's per-turn scores of finished conversations, in one small JSON file.
+
+    The counterpart of :class:`PartialStore` for the judge: the activation cache may not
+    outlive a machine, this file sits with the results (``--resume``) and can be kept
+    with them, so a judge run that one session could not finish goes on in the next.
+    Its signature is :func:`judge_cache_head` (model, dtype, prompt, answer prefix);
+    each record's entry names the digest of the conversation it scored, and a record
+    whose content changed is refused rather than reused. Rewritten atomically after each
+    conversation.
+    """
+
+    def __init__(self, path, signature):
+        self.path = Path(path)
+        self.signature = json.loads(json.dumps(signature, sort_keys=True, default=str))
+        self.entries = {}
+        if self.path.exists():
+            old = json.loads(self.path.read_text())
+            if old.get("signature") != self.signature:
+                raise SystemExit(f"{self.path} holds judge scores of other settings "
+                                 "(model, dtype, prompt or answer prefix); remove it.")
+            self.entries = old["entries"]
+
+    def get(self, record_id, digest, n_turns):
+        """The stored scores of ``record_id``, or None; refused if they do not fit it."""
+        entry = self.entries.get(str(record_id))
+        if entry is None:
+            return None
+        if entry.get("digest") != digest or len(entry.get("scores", ())) != n_turns:
+            raise SystemExit(f"{self.path}: the stored judge scores of {record_id} are of "
+                             f"another conversation (digest {entry.get('digest')}, "
+                             f"{len(entry.get('scores', ()))} turns; now {digest}, "
+                             f"{n_turns} turns); remove the file.")
+        return np.asarray(entry["scores"], dtype=np.float64)
+
+    def put(self, record_id, digest, scores):
+        self.entries[str(record_id)] = {"digest": digest,
+                                        "scores": np.asarray(scores, dtype=float).tolist()}
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"signature": self.signature, "entries": self.entries}))
+        os.replace(tmp, self.path)
+
+
+def judge_predictions(args, convs, template, cache_dir, store=None):
     """Zero-shot judge scores for every conversation, cached as JSON next to activations.
 
     Each conversation's scores are written as soon as they exist
     (``judge/<key>.json``, the key naming the model, its dtype unless float32, the
     prompt, answer prefix and the conversation), so an interrupted run resumes where it
-    stopped; a file of the whole set written by earlier versions (``judge-<key>.json``) is still read.
+    stopped; a file of the whole set written by earlier versions (``judge-<key>.json``)
+    is still read. With ``store`` (a path), they also go to a :class:`JudgeStore` kept
+    with the results, which is read first.
     """
     from tqdm.auto import tqdm
 
     judge = PromptedJudge(model=args.model, prompt=template, dtype=args.dtype)
     judge.fit(convs)
     head = judge_cache_head(judge, args, template)
+    keep = JudgeStore(store, head) if store is not None else None
 
     def digest(extra):
         return hashlib.sha256(json.dumps({**head, **extra}, sort_keys=True,
@@ -999,16 +1050,20 @@ def judge_predictions(args, convs, template, cache_dir):
         scores = [np.array(s) for s in json.loads(whole.read_text())]
         return np.array([int(np.argmax(s)) for s in scores])
     scores = []
-    for conv, content in zip(tqdm(convs, desc="judge", unit="conv"), contents):
-        path = (Path(cache_dir) / "judge" / f"{digest({'conv': content})}.json"
-                if cache_dir else None)
-        if path is not None and path.exists():
-            scores.append(np.array(json.loads(path.read_text())))
-            continue
-        s = judge.turn_decision_function([conv])[0]
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(np.asarray(s).tolist()))
+    for i, (conv, content) in enumerate(zip(tqdm(convs, desc="judge", unit="conv"), contents)):
+        key = digest({"conv": content})
+        rid = conv.record_id if conv.record_id is not None else f"#{i}"
+        s = keep.get(rid, key, len(conv.turns)) if keep is not None else None
+        path = Path(cache_dir) / "judge" / f"{key}.json" if cache_dir else None
+        if s is None and path is not None and path.exists():
+            s = np.array(json.loads(path.read_text()))
+        if s is None:
+            s = np.asarray(judge.turn_decision_function([conv])[0])
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(s.tolist()))
+        if keep is not None and str(rid) not in keep.entries:
+            keep.put(rid, key, s)
         scores.append(np.asarray(s))
     return np.array([int(np.argmax(s)) for s in scores])
 

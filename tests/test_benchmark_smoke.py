@@ -424,3 +424,35 @@ def test_site_selector_param_grid_equals_the_benchmark_selection(estimator, k):
     assert sel.candidate_scores_[Cs.index(C)] == pytest.approx(score)
     assert sel.best_sites_ == ref.best_sites_
     np.testing.assert_array_equal(sel.predict(Xte), ref.predict(Xte))
+
+
+def test_preregistered_judge_store_resumes_without_the_cache(tmp_path):
+    """--resume keeps the judge's scores with the results; a run with a new cache reads them."""
+    bench = _load()
+    out = tmp_path / "out"
+    argv = ["--smoke", "--preregistered", "--reads", "last", "--no-mi4afa", "--no-stack",
+            "--out", str(out), "--resume"]
+    first = bench.main([*argv, "--cache-dir", str(tmp_path / "cache1")])
+    store = out / "prereg_smoke_synthetic.partial-judge.json"
+    saved = json.loads(store.read_text())
+    assert len(saved["entries"]) == 40 and saved["signature"]["answer_prefix"]
+    # change one stored score vector so that its argmax moves: a fresh cache must read it
+    rid, entry = next(iter(saved["entries"].items()))
+    scores = np.asarray(entry["scores"])
+    entry["scores"] = [1.0 if i == int(np.argmin(scores)) else 0.0 for i in range(len(scores))]
+    store.write_text(json.dumps(saved))
+    second = bench.main([*argv, "--cache-dir", str(tmp_path / "cache2")])
+    name = "PromptedJudge (logprob)"
+    a, b = (np.asarray(r["predictions"][name])[0] for r in (first, second))
+    assert (a != b).sum() == 1                          # only the tampered record moved
+    assert not any((tmp_path / "cache2").rglob("judge/*.json"))   # nothing re-scored
+    # a stored entry of another conversation (turn count): refused, naming the record
+    entry["scores"] = entry["scores"][:-1]
+    store.write_text(json.dumps(saved))
+    with pytest.raises(SystemExit, match=f"judge scores of {rid}"):
+        bench.main([*argv, "--cache-dir", str(tmp_path / "cache3")])
+    # other settings (dtype): refused, not mixed in
+    saved["signature"]["dtype"] = "bfloat16"
+    store.write_text(json.dumps(saved))
+    with pytest.raises(SystemExit, match="judge scores of other settings"):
+        bench.main([*argv, "--cache-dir", str(tmp_path / "cache4")])
