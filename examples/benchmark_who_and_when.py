@@ -755,7 +755,7 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
                    "prompt": template.fingerprint(), "budget": budget,
                    "sites": probe_sites, "probes": [list(map(str, p)) for p in PREREG_PROBES],
                    "stack": STACK_ID, "folds": args.folds, "inner_folds": args.inner_folds,
-                   "dtype": str(args.dtype), "record_ids": [c.record_id for c in convs],
+                   "dtype": args.dtype, "record_ids": [c.record_id for c in convs],
                    "y": [int(v) for v in y]}
             Path(args.out).mkdir(parents=True, exist_ok=True)
             stores[read] = PartialStore(Path(args.out) / f"{stem}.partial-{read}.json",
@@ -816,7 +816,7 @@ def run_preregistered(args, convs, y, groups, model, tokenizer, ctx, budget, com
         "repeats": args.repeats, "command": command, "reads": list(args.reads),
         "probe_sites": probe_sites, "budget": budget, "context": ctx,
         "shortening": notes, "mi4afa": peer, "deviations": prereg_deviations(args),
-        "attention": attention_note(model), "dtype": str(args.dtype),
+        "attention": attention_note(model), "dtype": args.dtype,
         "choice_deviations": prereg_deviations(args, choice_only=True),
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python "
                    f"{platform.python_version()}, torch {__import__('torch').__version__}",
@@ -861,7 +861,7 @@ def prereg_deviations(args, *, choice_only=False):
                    f"GroupKFold({args.inner_folds}) instead of 5 x 3, inner 5")
     if args.limit:
         out.append(f"first {args.limit} records only (--limit)")
-    if str(args.dtype) != "float32":
+    if args.dtype != "float32":
         out.append(f"model in {args.dtype} instead of float32 (every row that reads the "
                    f"model: probes, judge, mi4afa)")
     if choice_only:
@@ -952,7 +952,7 @@ def judge_from_result(args, convs, template):
     if old.get("record_ids") != [c.record_id for c in convs]:
         problems.append("other records or another order")
     old_dtype = result_dtype(old)
-    if old_dtype != str(args.dtype):
+    if old_dtype != args.dtype:
         problems.append(f"dtype {old_dtype}, not {args.dtype}")
     fp = template.fingerprint()[:12]
     if f"fingerprint {fp}" not in str(old.get("prompt_note", "")):
@@ -975,8 +975,8 @@ def judge_cache_head(judge, args, template):
     """
     head = {"model": judge.model_identity_ if hasattr(judge, "model_identity_") else args.model,
             "prompt": template.fingerprint(), "answer_prefix": judge.answer_prefix}
-    if str(args.dtype) != "float32":
-        head["dtype"] = str(args.dtype)
+    if args.dtype != "float32":
+        head["dtype"] = args.dtype
     return head
 
 
@@ -1100,7 +1100,10 @@ def main(argv=None):
                    help="run fits and extraction on Dask: a scheduler address "
                         "(tcp://host:8786) or local:N for a LocalCluster of N processes")
     p.add_argument("--n-resamples", type=int, default=2000)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32",
+                   choices=("float32", "bfloat16", "float16", "float64"),
+                   help="the model's dtype for every row that reads it (default float32; "
+                        "another one is a deviation of section 3)")
     p.add_argument("--no-judge", action="store_true", help="skip the PromptedJudge baseline")
     p.add_argument("--preregistered", action="store_true",
                    help="run the pre-registered comparison of docs/benchmarks.md section 3 "
@@ -1296,7 +1299,7 @@ def run(args, argv):
         "model": str(args.model), "model_label": label, "tag": tag, "subset": subset_label,
         "n_conversations": len(convs), "folds": args.folds, "inner_folds": args.inner_folds,
         "repeats": args.repeats, "Cs": args.Cs, "site_search": args.sites, "command": command,
-        "read": args.read, "dtype": str(args.dtype),
+        "read": args.read, "dtype": args.dtype,
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python "
                    f"{platform.python_version()}, torch {__import__('torch').__version__}",
         "date": time.strftime("%Y-%m-%d"),
