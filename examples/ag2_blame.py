@@ -61,7 +61,7 @@ except ImportError:  # pragma: no cover
     sys.exit("This example needs ag2: pip install 'skafa[ag2]'")
 
 from skafa.integrations.ag2 import conversation_from_trace, failure_attribution_scorer
-from skafa.sites import parse_site_spec
+from skafa.llm import parse_site_spec
 
 REPO = Path(__file__).resolve().parents[1]
 MANAGER = "chat_manager"

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from skafa.models import load_model
+from skafa.llm import load_model
 
 
 def main(argv=None):

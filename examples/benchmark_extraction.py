@@ -5,7 +5,7 @@ and measures, in one run, interleaving the methods record by record and repeatin
 
 (a) a bare decoder forward pass on the same token ids, no hooks
     (``model.model(input_ids)``: embeddings, layers, final norm; no LM head);
-(b) :class:`skafa.extraction.TurnActivationTransformer` reading all 61 sites,
+(b) :class:`skafa.llm.TurnActivationTransformer` reading all 61 sites,
     without cache (includes rendering and tokenizing the prompt);
 (c) the ``output_hidden_states=True`` approach of the design skafa grew from:
     the full causal LM forward (LM head included) keeping every layer's hidden
@@ -136,7 +136,7 @@ def _memory_child(method, record_file, data_dir):
     import torch
 
     from skafa.conversation import Conversation
-    from skafa.extraction import TurnActivationTransformer
+    from skafa.llm import TurnActivationTransformer
 
     conv = Conversation.from_who_and_when(json.loads(Path(record_file).read_text()))
     t = TurnActivationTransformer("smollm2", memory_cache=False).fit([conv])
@@ -178,7 +178,7 @@ def measure_memory(method, record_file, data_dir):
 
 # --------------------------------------------------------------------------- peers
 def site_names(n_layers):
-    from skafa.sites import all_sites
+    from skafa.llm import all_sites
 
     return all_sites(n_layers)
 
@@ -198,7 +198,7 @@ class Skafa:
         self.model, self.sites = model, sites
 
     def __call__(self, ids, pos):
-        from skafa.extraction import extract_activations
+        from skafa.llm import extract_activations
 
         return extract_activations(self.model, [ids[0].cpu().numpy()], [pos.cpu().numpy()],
                                    self.sites)[0]
@@ -351,8 +351,8 @@ def _peer_memory_child(args):
     """Fresh process: load, build one method, reset the peak, run the longest record once."""
     import torch
 
-    from skafa.models import load_model
-    from skafa.prompt import PromptTemplate
+    from skafa.llm import load_model
+    from skafa.llm import PromptTemplate
 
     model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
     conv = _record(args.record)
@@ -398,8 +398,8 @@ def run_peers(args):
     import numpy as np
     import torch
 
-    from skafa.models import load_model
-    from skafa.prompt import PromptTemplate
+    from skafa.llm import load_model
+    from skafa.llm import PromptTemplate
 
     started = datetime.datetime.now()
     load0 = os.getloadavg()
@@ -533,10 +533,11 @@ def run_device(args):
     import numpy as np
     import torch
 
-    from skafa.extraction import TurnActivationTransformer, _auto_batches, _batches
-    from skafa.models import load_model
-    from skafa.prompt import PromptTemplate
-    from skafa.sites import decoder_layout
+    from skafa.llm import TurnActivationTransformer
+    from skafa.llm._extraction import _auto_batches, _batches
+    from skafa.llm import load_model
+    from skafa.llm import PromptTemplate
+    from skafa.llm import decoder_layout
 
     started = datetime.datetime.now()
     cuda = torch.device(args.device).type == "cuda"
@@ -661,7 +662,7 @@ def main():
     parser.add_argument("--device-run", action="store_true",
                         help="batched GPU path (--device, --dtype, --batch-size) vs bare forward")
     parser.add_argument("--model", default="smollm2",
-                        help="--peers/--device-run: model name or path (skafa.models)")
+                        help="--peers/--device-run: model name or path (skafa.llm._models)")
     parser.add_argument("--device", default="cpu", help="--peers/--device-run: torch device")
     parser.add_argument("--dtype", default="float32", help="--peers/--device-run: dtype")
     parser.add_argument("--batch-size", default="auto",
@@ -684,13 +685,13 @@ def main():
     if args.device_run:
         return run_device(args)
 
-    from skafa.extraction import TurnActivationTransformer, extract_activations
-    from skafa.sites import all_sites
+    from skafa.llm import TurnActivationTransformer, extract_activations
+    from skafa.llm import all_sites
 
     started = datetime.datetime.now()
     load0 = os.getloadavg()
-    from skafa.models import load_model
-    from skafa.prompt import PromptTemplate
+    from skafa.llm import load_model
+    from skafa.llm import PromptTemplate
 
     t0 = time.perf_counter()
 

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from skafa.conversation import Conversation
-from skafa.judge import answer_token_plan, number_continuation_mask, score_candidates
-from skafa.models import load_model
-from skafa.prompt import PromptTemplate
+from skafa.baselines._judge import answer_token_plan, number_continuation_mask, score_candidates
+from skafa.llm import load_model
+from skafa.llm import PromptTemplate
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ turn ``k``):
 (b) **failed runs + safe runs**: the safe run of failed run ``i`` is its prefix
     ``0..y_i - 1`` (cut just before the decisive step; runs whose decisive step is turn
     0 have none). Scored with FAR (share of safe runs with any alarm) and Exact-F1
-    (AgentForesight's definitions, :mod:`skafa.metrics`).
+    (AgentForesight's definitions, :mod:`skafa.metrics._metrics`).
 
 Nested CV as in ``benchmark_who_and_when.py``: outer ``GroupKFold(5)`` by task id x
 ``--repeats`` shuffles; every choice (site, C, alarm threshold) on inner
@@ -53,11 +53,11 @@ from skafa import (
     TurnActivationTransformer,
     TurnPositionTransformer,
 )
-from skafa import metrics as M
-from skafa.models import context_length, load_model
+from skafa.metrics import _metrics as M
+from skafa.llm import context_length, load_model
 from skafa.online import OnlineAuditor, safe_prefix_protocol
-from skafa.prompt import plan
-from skafa.sites import parse_site_spec
+from skafa.llm import plan
+from skafa.llm import parse_site_spec
 
 REPO = Path(__file__).resolve().parents[1]
 #: Position columns an online auditor may use: none depends on the run's final length.
@@ -366,7 +366,7 @@ def main(argv=None):
     times = {}
 
     if args.smoke:
-        from skafa.models import register_model
+        from skafa.llm import register_model
         from skafa.testing import make_tiny_llama, make_tiny_tokenizer
 
         register_model("tiny-llama-online", make_tiny_llama(n_layers=2), make_tiny_tokenizer(),

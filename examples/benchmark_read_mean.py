@@ -2,7 +2,7 @@
 
 Runs SmolLM2-135M-Instruct (float32, CPU) on the first ``--n`` Who&When
 Algorithm-Generated records that fit its context and times, interleaved record by
-record and repeated, :func:`skafa.extraction.extract_activations` over all 61 sites
+record and repeated, :func:`skafa.llm.extract_activations` over all 61 sites
 
 - at each turn's last token (``read="last"``), and
 - averaged over each turn's line (``read="mean"``: ``starts=`` given),
@@ -43,10 +43,10 @@ def main(argv=None):
     import torch
 
     import skafa
-    from skafa.extraction import extract_activations
-    from skafa.models import load_model
-    from skafa.prompt import PromptTemplate
-    from skafa.sites import all_sites
+    from skafa.llm import extract_activations
+    from skafa.llm import load_model
+    from skafa.llm import PromptTemplate
+    from skafa.llm import all_sites
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,8 +1,8 @@
-"""Dense SDPA against banded sliding-window attention (skafa.attention), interleaved.
+"""Dense SDPA against banded sliding-window attention (skafa.llm._attention), interleaved.
 
 For each prompt length, one decoder pass with transformers' ``"sdpa"`` (the
 sliding-window layers as dense attention under a mask) and one inside
-:func:`skafa.attention.banded_sliding_window_attention`, alternating, on the same
+:func:`skafa.llm.banded_sliding_window_attention`, alternating, on the same
 random token ids. Prints and writes the seconds of each, their ratio, and how far
 the final hidden states differ (max absolute difference over max absolute value).
 
@@ -49,8 +49,8 @@ def main(argv=None):
     import numpy as np
     import torch
 
-    from skafa.attention import banded_sliding_window_attention, has_sliding_window
-    from skafa.sites import decoder_layout
+    from skafa.llm import banded_sliding_window_attention, has_sliding_window
+    from skafa.llm import decoder_layout
 
     args = parse_args(argv)
     torch.set_num_threads(int(args.threads))
@@ -63,7 +63,7 @@ def main(argv=None):
     else:
         if not args.model:
             sys.exit("--model is required (or --smoke)")
-        from skafa.models import load_model
+        from skafa.llm import load_model
 
         model, _ = load_model(args.model)
         name, lengths = str(args.model), args.lengths

@@ -32,7 +32,7 @@ from sklearn.model_selection import KFold
 
 import skafa
 from skafa import PromptTemplate, TurnActivationTransformer, TurnFeatures
-from skafa.extraction import extract_activations
+from skafa.llm import extract_activations
 from skafa.online import OnlineAuditor, conversation_prefix
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,7 +66,7 @@ def main(argv=None):
 
     template = PromptTemplate.online(shorten="head_tail", max_turn_chars=args.max_turn_chars)
     if args.smoke:
-        from skafa.models import register_model
+        from skafa.llm import register_model
         from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
 
         register_model("tiny-llama-streaming", make_tiny_llama(n_layers=2),

@@ -58,8 +58,8 @@ from skafa import (
     TurnPositionTransformer,
     TurnTextTransformer,
 )
-from skafa import metrics as M
-from skafa.attention import banded_sliding_window_attention
+from skafa.metrics import _metrics as M
+from skafa.llm import banded_sliding_window_attention
 from skafa.configurations import (
     LOGISTIC_CS,
     PREREGISTERED_PROBES,
@@ -67,9 +67,9 @@ from skafa.configurations import (
     STACK_ID,
     configuration_names,
 )
-from skafa.models import context_length, load_model
-from skafa.prompt import plan
-from skafa.sites import parse_site_spec
+from skafa.llm import context_length, load_model
+from skafa.llm import plan
+from skafa.llm import parse_site_spec
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = ("exact", "normalized", "substring")
@@ -483,7 +483,7 @@ def _shortened_for_peer(conv, tokenizer, template):
     return list(enc.shortened_contents or [t.content for t in conv.turns])
 
 
-# skafa's plain-text rendering for base models (skafa.prompt: BOS, the messages joined
+# skafa's plain-text rendering for base models (skafa.llm._prompt: BOS, the messages joined
 # by a blank line, a newline) as a chat template, for mi4afa on a tokenizer without one.
 # (newlines as expressions: chat templates render with trim_blocks, which would eat a
 # literal newline after a block tag)
@@ -536,7 +536,7 @@ def mi4afa_activations(extractor, peer_convs, cache_dir, model_key, dtype="float
     """mi4afa's activations for every conversation, cached as safetensors by content.
 
     mi4afa's forward passes run on the shared model object inside
-    :func:`skafa.attention.banded_sliding_window_attention`, like skafa's own (a
+    :func:`skafa.llm.banded_sliding_window_attention`, like skafa's own (a
     no-op unless the model has sliding-window layers on ``"sdpa"``).
 
     The cache key holds ``dtype`` unless it is float32 (so float32 entries written
@@ -664,12 +664,12 @@ def baseline_fold(convs, y, groups, train, test, args, judge_pred):
 
 def attention_note(model):
     """The attention implementation forward passes of this run use, in words."""
-    from skafa.attention import has_sliding_window
+    from skafa.llm import has_sliding_window
 
     name = getattr(model.config, "_attn_implementation", None) or "eager"
     if name == "sdpa" and has_sliding_window(model):
         return ("sdpa; sliding-window layers on their band "
-                "(skafa.attention.banded_sliding_window_attention)")
+                "(skafa.llm.banded_sliding_window_attention)")
     return name
 
 
@@ -1044,7 +1044,7 @@ def judge_predictions(args, convs, template, cache_dir, store=None):
         return hashlib.sha256(json.dumps({**head, **extra}, sort_keys=True,
                                          default=str).encode()).hexdigest()[:24]
 
-    contents = [skafa.cache.conversation_content(c) for c in convs]
+    contents = [skafa.llm.conversation_content(c) for c in convs]
     whole = Path(cache_dir) / f"judge-{digest({'convs': contents})}.json" if cache_dir else None
     if whole is not None and whole.exists():
         scores = [np.array(s) for s in json.loads(whole.read_text())]
@@ -1165,7 +1165,7 @@ def run(args, argv):
     timer = Timer()
 
     if args.smoke:
-        from skafa.models import register_model
+        from skafa.llm import register_model
         from skafa.testing import (
             make_conversations,
             make_tiny_llama,

@@ -24,7 +24,7 @@ import numpy as np
 
 import skafa
 from skafa import PromptTemplate, TurnActivationTransformer
-from skafa.sites import parse_site_spec
+from skafa.llm import parse_site_spec
 
 
 def relative_errors(reference, other):

@@ -28,7 +28,7 @@ from skafa import (DummyStepClassifier, GroupedArgmaxLogisticClassifier, PromptT
                    SiteSelector, TurnActivationTransformer, TurnFeatureUnion,
                    TurnPositionTransformer, TurnTextTransformer)
 from skafa.metrics import agent_accuracy, bootstrap_ci, paired_bootstrap_ci, step_accuracy
-from skafa.models import context_length, load_model, register_model
+from skafa.llm import context_length, load_model, register_model
 
 TINY = "compare-with-baselines-tiny"
 

@@ -4,8 +4,8 @@ For each model: the decoder's size (weights inside the layers, layers, attention
 width), the prompt lengths of the shared Who&When records under the model's own
 tokenizer (Algorithm-Generated and Hand-Crafted, capped at ``--max-prompt-tokens``
 as the benchmark shortens them), the FLOPs of one forward pass per record
-(:func:`skafa.cost.forward_flops`), and a rate measured on this machine
-(:func:`skafa.cost.measure_throughput` on a random ``--calibration-tokens`` sequence,
+(:func:`skafa.llm.forward_flops`), and a rate measured on this machine
+(:func:`skafa.llm.measure_throughput` on a random ``--calibration-tokens`` sequence,
 ``--threads`` torch threads). From these: the time to extract data sets of
 2,276 runs (AFTraj-2K) and 12,326 runs (Who&When-Pro) *if their runs are as long as
 Who&When's* on one CPU core, on N CPU workers (N times the one-core rate: workers
@@ -39,7 +39,7 @@ def meta_model(spec):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from skafa.models import resolve_model_spec
+    from skafa.llm import resolve_model_spec
 
     ms = resolve_model_spec(spec)
     kw = {"gguf_file": ms.gguf_file} if ms.gguf_file else {}
@@ -66,9 +66,9 @@ def main(argv=None):
     from transformers import AutoTokenizer
 
     import skafa
-    from skafa.cost import forward_flops, layer_parameters, measure_throughput
-    from skafa.models import load_model
-    from skafa.prompt import PromptTemplate
+    from skafa.llm import forward_flops, layer_parameters, measure_throughput
+    from skafa.llm import load_model
+    from skafa.llm import PromptTemplate
 
     torch.set_num_threads(args.threads)
     started = datetime.datetime.now()

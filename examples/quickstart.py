@@ -49,11 +49,11 @@ from sklearn.model_selection import (
 )
 
 from skafa.attributor import FailureAttributor
-from skafa.composition import make_attribution_pipeline
+from skafa.compose import make_attribution_pipeline
 from skafa.configurations import RECOMMENDED, make_configuration, parse_configuration
 from skafa.datasets import load_who_and_when
-from skafa.dummies import DummyStepClassifier
-from skafa.extraction import TurnActivationTransformer
+from skafa.baselines import DummyStepClassifier
+from skafa.llm import TurnActivationTransformer
 from skafa.featurizers import TurnPositionTransformer, TurnTextTransformer
 from skafa.metrics import (
     agent_accuracy,
@@ -62,10 +62,10 @@ from skafa.metrics import (
     step_accuracy,
     within_k_accuracy,
 )
-from skafa.models import context_length, load_model
+from skafa.llm import context_length, load_model
 from skafa.probes import GroupedArgmaxLogisticClassifier
-from skafa.prompt import PromptTemplate, plan
-from skafa.sites import parse_site_spec
+from skafa.llm import PromptTemplate, plan
+from skafa.llm import parse_site_spec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,7 +85,7 @@ def parse_args(argv=None):
                    help="Who&When folder (env SKAFA_WHO_AND_WHEN overrides the default)")
     p.add_argument("--subset", default="Algorithm-Generated",
                    help="Algorithm-Generated, Hand-Crafted or 'all'")
-    p.add_argument("--model", default="smollm2", help="model name or path (skafa.models)")
+    p.add_argument("--model", default="smollm2", help="model name or path (skafa.llm._models)")
     p.add_argument("--cache-dir", default=str(Path("~/.cache/skafa").expanduser()),
                    help="on-disk activation cache ('' for memory only)")
     p.add_argument("--sites", default="stride:3",

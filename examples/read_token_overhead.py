@@ -31,11 +31,11 @@ def load_tokenizer(model):
     """The fast tokenizer of ``model`` (a name, folder, hub id or .gguf path), without weights."""
     from transformers import AutoTokenizer
 
-    from skafa.models import resolve_model_spec
+    from skafa.llm import resolve_model_spec
 
     spec = resolve_model_spec(model)
     if spec.kind == "registered":
-        from skafa.models import load_model
+        from skafa.llm import load_model
 
         return load_model(model)[1]
     kw = {} if spec.gguf_file is None else {"gguf_file": spec.gguf_file}
@@ -44,7 +44,7 @@ def load_tokenizer(model):
 
 def measure(convs, tokenizer, template=None):
     """Token counts per read: ``{read: ndarray of n_tokens}`` and the turn counts."""
-    from skafa.prompt import plan
+    from skafa.llm import plan
 
     counts = {r: plan(convs, tokenizer, template, max_tokens=10 ** 9, read=r).n_tokens
               for r in READS}
@@ -53,7 +53,7 @@ def measure(convs, tokenizer, template=None):
 
 def shortening(convs, tokenizer, budget):
     """Per read, what ``PromptTemplate(shorten="middle_first", max_prompt_tokens=budget)`` removes."""
-    from skafa.prompt import PromptTemplate, plan
+    from skafa.llm import PromptTemplate, plan
 
     template = PromptTemplate(shorten="middle_first", max_prompt_tokens=budget)
     total = sum(len(t.content) for c in convs for t in c.turns)

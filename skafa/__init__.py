@@ -4,80 +4,90 @@ Find the decisive step (and the responsible agent) of a failed multi-agent run b
 reading an open-weight language model's hidden states at every turn and training
 small linear probes on labelled failures.
 
-Public objects are importable from the top level; heavy modules (torch,
-transformers) load lazily on first use.
+The public API is the table below: each name, and the subpackage that defines it.
+Names load on first access (PEP 562), so ``import skafa`` stays light and never
+imports torch. Where each concept lives: ``docs/architecture.md``.
 """
+
+# Authors: The skafa developers
+# SPDX-License-Identifier: MIT
 
 from importlib import import_module
 
 from ._version import __version__
-from .conversation import Conversation, ConversationError, Turn
-from .features import TurnFeatures
 
-# Functions and non-class objects exported at the top level: name -> submodule that
-# defines it (imported on first access, PEP 562). Public *classes* need no entry: every
-# CamelCase name in the ``__all__`` of a public module is found by _discover() below,
-# so a new estimator is exported by its own module alone.
-_LAZY = {
+#: Every public name of the top level -> the module that exports it. Kept by hand (a
+#: test compares it with ``skafa.utils.all_estimators()`` and ``docs/api.md``).
+_EXPORTS = {
+    # the data
+    "Conversation": "conversation",
+    "Turn": "conversation",
+    "TurnFeatures": "features",
     "load_who_and_when": "datasets",
     "fetch_who_and_when": "datasets",
-    "load_model": "models",
-    "register_model": "models",
-    "smollm2_path": "models",
-    "all_sites": "sites",
-    "site_sweep": "selection",
-    "make_attribution_pipeline": "composition",
+    # reading a language model
+    "TurnActivationTransformer": "llm",
+    "PromptTemplate": "llm",
+    "ActivationCache": "llm",
+    "load_model": "llm",
+    "register_model": "llm",
+    "smollm2_path": "llm",
+    "all_sites": "llm",
+    # features without a language model
+    "TurnPositionTransformer": "featurizers",
+    "TurnTextTransformer": "featurizers",
+    # probes
+    "GroupedArgmaxClassifier": "probes",
+    "GroupedArgmaxLogisticClassifier": "probes",
+    "GroupedSoftmaxClassifier": "probes",
+    # baselines
+    "DummyStepClassifier": "baselines",
+    "PromptedJudge": "baselines",
+    # composition
+    "PerTurn": "compose",
+    "TurnFeatureUnion": "compose",
+    "SiteConcatenator": "compose",
+    "AttributionPipeline": "compose",
+    "make_attribution_pipeline": "compose",
+    # model selection
+    "SiteSelector": "model_selection",
+    "SiteEnsemble": "model_selection",
+    "TurnScoreStacker": "model_selection",
+    "site_sweep": "model_selection",
+    # the recommended configuration and the one-call attributor
+    "make_configuration": "configurations",
+    "FailureAttributor": "attributor",
+    "Attribution": "attributor",
+    "AttributionReport": "attributor",
+    "TurnRank": "attributor",
+    # online auditing
+    "OnlineAuditor": "online",
+    "AuditSession": "online",
+    "Verdict": "online",
+    # saving without pickle
     "save": "persistence",
     "load": "persistence",
+    # errors and warnings
+    "ConversationError": "exceptions",
+    "PromptTooLongError": "exceptions",
+    "CacheCorruptionWarning": "exceptions",
+    "ModelMismatchWarning": "exceptions",
+    "PersistenceVersionWarning": "exceptions",
 }
 
-_SUBMODULES = {
-    "attention", "attributor", "baselines", "cache", "composition", "configurations", "cost",
-    "datasets", "dummies", "estimators", "extraction", "features", "featurizers", "judge",
-    "metrics", "models", "online", "persistence", "pipeline", "probes", "prompt", "selection",
-    "sites", "stacking", "testing", "utils",
-    # not imported by ``import skafa``; loaded on first access
-    "integrations", "report", "cli",
-}
+#: Subpackages and public modules reachable as attributes (``skafa.metrics``, ...).
+_SUBMODULES = (
+    "attributor", "baselines", "cli", "compose", "configurations", "conversation", "datasets",
+    "exceptions", "features", "featurizers", "integrations", "llm", "metrics",
+    "model_selection", "online", "persistence", "probes", "report", "testing", "utils",
+)
 
-#: Modules whose classes are not exported at the top level: aliases of old paths,
-#: helpers for tests, the command line, and optional integrations.
-_NOT_EXPORTED = {"baselines", "estimators", "pipeline", "testing", "cli", "report",
-                 "integrations", "utils"}
-
-
-def _discover():
-    """``{class name: module}`` from the ``__all__`` of every public module, read as text.
-
-    The ``__all__`` literal of each source file is read (never imported), so
-    ``import skafa`` stays light.
-    """
-    import ast
-    import re
-    from pathlib import Path
-
-    pattern = re.compile(r"^__all__\s*=\s*([\[(].*?[\])])\s*$", re.S | re.M)
-    found = {}
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        module = path.stem
-        if module.startswith("_") or module in _NOT_EXPORTED:
-            continue
-        match = pattern.search(path.read_text(encoding="utf-8"))
-        for name in ast.literal_eval(match.group(1)) if match else ():
-            if name[:1].isupper() and not name.isupper():
-                found.setdefault(name, module)
-    return found
-
-
-_LAZY = {**_discover(), **_LAZY}
-
-__all__ = ["__version__", "Conversation", "ConversationError", "Turn", "TurnFeatures",
-           *sorted(set(_LAZY) - {"Conversation", "ConversationError", "Turn", "TurnFeatures"})]
+__all__ = ["__version__", *sorted(_EXPORTS)]
 
 
 def __getattr__(name):
-    if name in _LAZY:
-        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    if name in _EXPORTS:
+        value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
         globals()[name] = value
         return value
     if name in _SUBMODULES:
@@ -86,4 +96,4 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__) | _SUBMODULES)
+    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))

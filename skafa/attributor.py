@@ -28,9 +28,8 @@ import numpy as np
 from sklearn.base import BaseEstimator, clone
 from sklearn.utils.validation import check_is_fitted
 
-from .composition import AttributionPipeline, final_step_call, final_step_input
-from .conversation import Conversation
-from .extraction import TurnActivationTransformer
+from .compose import AttributionPipeline, final_step_call, final_step_input
+from .conversation import Conversation, check_conversations
 from .metrics import (
     AGENT_RULES,
     BootstrapResult,
@@ -41,14 +40,8 @@ from .metrics import (
     within_k_accuracy,
 )
 from .persistence import PersistenceMixin
-from .probes import GroupedArgmaxLogisticClassifier
-from .selection import SiteSelector
-from .utils._sklearn_compat import HasMethods, _fit_context
-from .utils._validation import (
-    check_conversations,
-    group_labels,
-    labels_from_conversations,
-)
+from .utils.sklearn_compat import HasMethods, fit_context
+from .utils.validation import group_labels, labels_from_conversations
 
 __all__ = ["FailureAttributor", "Attribution", "TurnRank", "AttributionReport"]
 
@@ -299,7 +292,7 @@ class AttributionReport:
 def _groups_from(convs):
     """Task ids as splitter groups when every conversation has one, else None.
 
-    Through :func:`~skafa.utils._validation.group_labels`, so task ids ``1`` and
+    Through :func:`~skafa.utils.validation.group_labels`, so task ids ``1`` and
     ``"1"`` stay two groups and a splitter never has to sort mixed types.
     """
     ids = [c.task_id for c in convs]
@@ -330,9 +323,9 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
     A thin composite of two pieces, each configured through its own parameters
     (nothing is re-listed here): an ``extractor`` that turns conversations into
     per-turn features — by default a
-    :class:`~skafa.extraction.TurnActivationTransformer`, which reads a language
+    :class:`~skafa.llm.TurnActivationTransformer`, which reads a language
     model's hidden states at every turn — and a ``selector`` fitted on those
-    features — by default a :class:`~skafa.selection.SiteSelector` that picks the
+    features — by default a :class:`~skafa.model_selection.SiteSelector` that picks the
     activation sites and C by grouped cross-validation on the training data and
     fits the probe there. Both defaults are the recommended configuration of the
     pre-registered comparison (:mod:`skafa.configurations`). Internally it is
@@ -392,7 +385,7 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
 
     See Also
     --------
-    skafa.extraction.TurnActivationTransformer, skafa.selection.SiteSelector,
+    skafa.llm.TurnActivationTransformer, skafa.model_selection.SiteSelector,
     skafa.probes.GroupedArgmaxLogisticClassifier : The pieces.
 
     Notes
@@ -429,15 +422,6 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
         tags.target_tags.required = False  # y defaults to the conversations' labels
         return tags
 
-    @classmethod
-    def _check_instances(cls):
-        """Instances for :mod:`skafa.utils.estimator_checks`."""
-        from .testing import register_tiny_model
-
-        return [cls(TurnActivationTransformer(register_tiny_model(),
-                                              sites=["resid_pre.1", "resid_final"]),
-                    SiteSelector(GroupedArgmaxLogisticClassifier(random_state=0), cv=3))]
-
     # ------------------------------------------------------------------ build
     def _make_pipeline(self):
         from .configurations import RECOMMENDED, make_configuration
@@ -451,7 +435,7 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
         return AttributionPipeline([("acts", extractor), ("select", selector)])
 
     # -------------------------------------------------------------------- fit
-    @_fit_context(
+    @fit_context(
         # the pieces are validated when they are fitted
         prefer_skip_nested_validation=False
     )

@@ -125,7 +125,7 @@ def build_parser():
                     "decisive turn (and the responsible agent) of failed runs by probing a "
                     "language model's hidden states.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    from . import __version__
+    from ._version import __version__
 
     parser.add_argument("--version", action="version", version=f"skafa {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -217,8 +217,8 @@ def _err(msg):
 
 
 def _load_data(args, *, labelled):
-    from .conversation import ConversationError
     from .datasets import load_who_and_when
+    from .exceptions import ConversationError
 
     try:
         data = load_who_and_when(args.data, subset=args.subset)
@@ -245,7 +245,7 @@ def _load_data(args, *, labelled):
 
 def _sites(spec):
     """``--sites``: ``None`` (all), ``"stride:K"`` (resolved by the extractor), or a list."""
-    from .sites import parse_site_spec
+    from .llm import parse_site_spec
 
     try:
         return parse_site_spec(spec)
@@ -255,8 +255,7 @@ def _sites(spec):
 
 def _check_model(model, device):
     """Load the model once (a clear error if it cannot be); return its layer count."""
-    from .models import load_model
-    from .sites import decoder_layout
+    from .llm import decoder_layout, load_model
 
     try:
         loaded, _ = load_model(model, device=device)
@@ -267,7 +266,7 @@ def _check_model(model, device):
 
 def _check_sites(fa, n_layers, args):
     """The sites exist in the model and are at least as many as the selector averages."""
-    from .sites import validate_sites
+    from .llm import validate_sites
 
     try:
         sites = validate_sites(fa.extractor.sites, n_layers)
@@ -287,10 +286,9 @@ def _make_attributor(args, *, verbose):
     from sklearn.model_selection import GroupKFold
 
     from .attributor import FailureAttributor
-    from .extraction import TurnActivationTransformer
+    from .llm import PromptTemplate, TurnActivationTransformer
+    from .model_selection import SiteSelector
     from .probes import GroupedArgmaxLogisticClassifier
-    from .prompt import PromptTemplate
-    from .selection import SiteSelector
 
     kwargs = {"shorten": args.shorten}
     if args.max_prompt_tokens is not None:
@@ -365,7 +363,7 @@ def _progress(items, *, desc, quiet):
 
 
 def _attribute(fa, conv, top_k):
-    from .prompt import PromptTooLongError
+    from .exceptions import PromptTooLongError
 
     try:
         return fa.attribute(conv, top_k=top_k)
@@ -387,7 +385,7 @@ def _cmd_fit(args):
     fa = _make_attributor(args, verbose=0 if args.quiet else 1)
     _check_sites(fa, n_layers, args)
     t = time.perf_counter()
-    from .prompt import PromptTooLongError
+    from .exceptions import PromptTooLongError
 
     try:
         fa.fit(convs)
@@ -474,6 +472,7 @@ def _cmd_benchmark(args):
     from sklearn.base import clone
     from sklearn.model_selection import GroupKFold
 
+    from .exceptions import PromptTooLongError
     from .metrics import (
         agent_accuracy,
         bootstrap_ci,
@@ -481,7 +480,6 @@ def _cmd_benchmark(args):
         step_accuracy,
         within_k_accuracy,
     )
-    from .prompt import PromptTooLongError
 
     convs = _load_data(args, labelled=True)
     y = np.asarray([c.mistake_step for c in convs], dtype=np.int64)

@@ -44,7 +44,7 @@ __all__ = [
 #: Reads, in the pre-registered order (cost order; it breaks ties).
 PREREGISTERED_READS = ("last", "recap", "echo")
 
-#: Sites every configuration searches (``skafa.sites.stride_sites(n_layers, 3)``).
+#: Sites every configuration searches (``skafa.llm.stride_sites(n_layers, 3)``).
 PREREGISTERED_SITES = "stride:3"
 
 LOGISTIC_CS = (0.001, 0.01, 0.1)
@@ -156,11 +156,11 @@ def make_configuration(name=RECOMMENDED, model="smollm2", *, random_state=None,
         ``GroupKFold(5)`` (``param_grid``), one site or the average of the
         top 3.
     """
-    from .composition import TurnFeatureUnion
-    from .extraction import TurnActivationTransformer
+    from .compose import TurnFeatureUnion
     from .featurizers import TurnPositionTransformer
+    from .llm import TurnActivationTransformer
+    from .model_selection import SiteSelector
     from .probes import GroupedArgmaxLogisticClassifier, GroupedSoftmaxClassifier
-    from .selection import SiteSelector
 
     read, kind, Cs, n_sites, features = parse_configuration(name)
     fixed = sorted({"read", "sites"} & set(extractor_params))

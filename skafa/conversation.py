@@ -14,14 +14,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["Turn", "Conversation", "ConversationError"]
+from .exceptions import ConversationError
 
-
-class ConversationError(ValueError):
-    """Raised when a record cannot become a valid :class:`Conversation`.
-
-    The message always names the record (when known) and the offending field.
-    """
+__all__ = ["Turn", "Conversation", "check_conversations"]
 
 
 def _where(record_id: str | None) -> str:
@@ -197,7 +192,7 @@ class Conversation:
         for name in ("task", "expected_answer"):
             _check_text(getattr(self, name), where, name)
         if self.task_id is not None and not isinstance(self.task_id, str):
-            from .utils._validation import check_task_id
+            from .utils.validation import check_task_id
 
             try:
                 object.__setattr__(self, "task_id", check_task_id(self.task_id))
@@ -505,3 +500,63 @@ def _jsonable(value):
         return value
     except TypeError:
         return json.loads(json.dumps(value, default=str))
+
+
+def check_conversations(X, caller) -> list:
+    """Return ``X`` as a non-empty list of Conversation, or raise naming the bad entry.
+
+    Parameters
+    ----------
+    X : sequence of Conversation
+    caller : str
+        Name of the estimator or function, used in messages.
+
+    Returns
+    -------
+    list of Conversation
+
+    Raises
+    ------
+    TypeError
+        ``X`` is not a sequence of Conversation (a single Conversation, a string,
+        a dict, a TurnFeatures, or an element of another type).
+    ValueError
+        ``X`` is empty.
+    """
+    from collections.abc import Mapping
+
+    import numpy as np
+
+    from .features import TurnFeatures
+
+    if isinstance(X, TurnFeatures):
+        raise TypeError(
+            f"{caller} takes a list of Conversation objects, not TurnFeatures; put it "
+            "before (or beside, in a TurnFeatureUnion) the activation extractor."
+        )
+    if isinstance(X, Conversation):
+        raise TypeError(
+            f"{caller} takes a list of Conversation objects, got a single Conversation; "
+            "wrap it in a list."
+        )
+    if isinstance(X, (str, bytes, Mapping)) or not hasattr(X, "__iter__") or (
+        isinstance(X, np.ndarray) and X.ndim != 1
+    ):
+        raise TypeError(
+            f"{caller} takes a list of Conversation objects (one per sample), got "
+            f"{type(X).__name__}."
+        )
+    convs = list(X)
+    if not convs:
+        raise ValueError(f"{caller} got zero conversations: pass at least one Conversation.")
+    for i, conv in enumerate(convs):
+        if not isinstance(conv, Conversation):
+            hint = (
+                " Build it with Conversation.from_who_and_when(record) or "
+                "Conversation.from_messages(messages)."
+            )
+            raise TypeError(
+                f"{caller}: conversation {i} is a {type(conv).__name__}, not a "
+                f"Conversation.{hint}"
+            )
+    return convs

@@ -23,9 +23,9 @@ from collections.abc import Sequence
 import numpy as np
 import scipy.sparse as sp
 
-from .utils._validation import describe, locate_row
+from .utils.validation import describe, locate_row
 
-__all__ = ["TurnFeatures"]
+__all__ = ["TurnFeatures", "check_turn_features", "agents_at"]
 
 _FORMAT = "skafa.TurnFeatures/1"
 _NUMERIC = "biuf"  # dtype kinds a TurnFeatures may hold (bool, ints, floats)
@@ -45,29 +45,41 @@ def _check_csr_parts(data, indices, indptr, shape):
     """
     n_rows, n_cols = shape
     if n_cols > MAX_SPARSE_COLUMNS:
-        raise ValueError(f"the header says {n_cols:,} columns, more than "
-                         f"skafa.features.MAX_SPARSE_COLUMNS ({MAX_SPARSE_COLUMNS:,}); a "
-                         "probe would allocate that many coefficients. Raise the limit "
-                         "if the file is yours.")
-    for name, arr in (("sparse_data", data), ("sparse_indices", indices),
-                      ("sparse_indptr", indptr)):
+        raise ValueError(
+            f"the header says {n_cols:,} columns, more than "
+            f"skafa.features.MAX_SPARSE_COLUMNS ({MAX_SPARSE_COLUMNS:,}); a "
+            "probe would allocate that many coefficients. Raise the limit "
+            "if the file is yours."
+        )
+    for name, arr in (
+        ("sparse_data", data),
+        ("sparse_indices", indices),
+        ("sparse_indptr", indptr),
+    ):
         if arr.ndim != 1:
             raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
     if data.dtype.kind not in _NUMERIC:
-        raise ValueError(f"sparse_data has dtype {data.dtype}; expected a numeric dtype")
+        raise ValueError(
+            f"sparse_data has dtype {data.dtype}; expected a numeric dtype"
+        )
     for name, arr in (("sparse_indices", indices), ("sparse_indptr", indptr)):
         if arr.dtype.kind not in "iu":
             raise ValueError(f"{name} has dtype {arr.dtype}; expected integers")
     if indices.shape != data.shape:
-        raise ValueError(f"sparse_indices has {indices.size} entries for {data.size} "
-                         "stored values")
+        raise ValueError(
+            f"sparse_indices has {indices.size} entries for {data.size} stored values"
+        )
     if indptr.shape != (n_rows + 1,):
-        raise ValueError(f"sparse_indptr has {indptr.size} entries for {n_rows} rows "
-                         f"(expected {n_rows + 1})")
+        raise ValueError(
+            f"sparse_indptr has {indptr.size} entries for {n_rows} rows "
+            f"(expected {n_rows + 1})"
+        )
     ptr = indptr.astype(np.int64)
     if ptr[0] != 0 or ptr[-1] != data.size or np.any(np.diff(ptr) < 0):
-        raise ValueError("sparse_indptr must start at 0, never decrease and end at the "
-                         f"number of stored values ({data.size})")
+        raise ValueError(
+            "sparse_indptr must start at 0, never decrease and end at the "
+            f"number of stored values ({data.size})"
+        )
     if indices.size:
         idx = indices.astype(np.int64)
         bad = (idx < 0) | (idx >= n_cols)
@@ -75,8 +87,10 @@ def _check_csr_parts(data, indices, indptr, shape):
             bad |= indices > np.uint64(np.iinfo(np.int64).max)
         if bad.any():
             k = int(np.flatnonzero(bad)[0])
-            raise ValueError(f"column index {indices[k]} of stored value {k} is outside "
-                             f"0..{n_cols - 1}")
+            raise ValueError(
+                f"column index {indices[k]} of stored value {k} is outside "
+                f"0..{n_cols - 1}"
+            )
 
 
 def _same_array(a, b):
@@ -90,50 +104,75 @@ def _str_list(value, name, *, allow_none_items=False, allow_int_items=False):
     if value is None:
         return None
     ok = isinstance(value, list) and all(
-        isinstance(v, str) or (allow_none_items and v is None)
-        or (allow_int_items and type(v) is int) for v in value)
+        isinstance(v, str)
+        or (allow_none_items and v is None)
+        or (allow_int_items and type(v) is int)
+        for v in value
+    )
     if not ok:
-        what = ("strings, ints or nulls" if allow_int_items else
-                "strings or nulls" if allow_none_items else "strings")
+        what = (
+            "strings, ints or nulls"
+            if allow_int_items
+            else "strings or nulls"
+            if allow_none_items
+            else "strings"
+        )
         raise ValueError(f"header field {name!r} must be null or a list of {what}")
     return value
 
 
 def _contents_from_file(tensors, meta):
     """Values, offsets and keyword arguments of a TurnFeatures, checked in full."""
-    from .utils._io import json_field
+    from .utils.fileio import json_field
 
     sparse = json_field(meta, "sparse")
     if not isinstance(sparse, bool):
         raise ValueError(f"header field 'sparse' must be true or false, got {sparse!r}")
-    expected = ({"offsets", "sparse_data", "sparse_indices", "sparse_indptr"} if sparse
-                else {"offsets", "values"})
+    expected = (
+        {"offsets", "sparse_data", "sparse_indices", "sparse_indptr"}
+        if sparse
+        else {"offsets", "values"}
+    )
     if set(tensors) != expected:
-        raise ValueError(f"the file holds the tensors {sorted(tensors)}; expected "
-                         f"{sorted(expected)}")
+        raise ValueError(
+            f"the file holds the tensors {sorted(tensors)}; expected {sorted(expected)}"
+        )
     shape = json_field(meta, "shape")
-    if not (isinstance(shape, list) and shape and all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
+    if not (
+        isinstance(shape, list)
+        and shape
+        and all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+        )
+    ):
         raise ValueError("header field 'shape' must be a list of non-negative ints")
     offsets = tensors["offsets"]
     if offsets.ndim != 1 or offsets.dtype.kind not in "iu":
-        raise ValueError(f"tensor 'offsets' must be a 1-D integer array, got dtype "
-                         f"{offsets.dtype} and shape {offsets.shape}")
+        raise ValueError(
+            f"tensor 'offsets' must be a 1-D integer array, got dtype "
+            f"{offsets.dtype} and shape {offsets.shape}"
+        )
     if sparse:
         if len(shape) != 2:
-            raise ValueError(f"a sparse TurnFeatures has a 2-D shape, the header says {shape}")
-        data, indices, indptr = (tensors[k] for k in
-                                 ("sparse_data", "sparse_indices", "sparse_indptr"))
+            raise ValueError(
+                f"a sparse TurnFeatures has a 2-D shape, the header says {shape}"
+            )
+        data, indices, indptr = (
+            tensors[k] for k in ("sparse_data", "sparse_indices", "sparse_indptr")
+        )
         _check_csr_parts(data, indices, indptr, tuple(shape))
         values = sp.csr_matrix((data, indices, indptr), shape=tuple(shape))
     else:
         values = tensors["values"]
         if values.dtype.kind not in _NUMERIC:
-            raise ValueError(f"tensor 'values' has dtype {values.dtype}; expected a numeric "
-                             "dtype")
+            raise ValueError(
+                f"tensor 'values' has dtype {values.dtype}; expected a numeric dtype"
+            )
         if list(values.shape) != shape:
-            raise ValueError(f"tensor 'values' has shape {values.shape} but the header "
-                             f"says {tuple(shape)}")
+            raise ValueError(
+                f"tensor 'values' has shape {values.shape} but the header "
+                f"says {tuple(shape)}"
+            )
     sites = _str_list(json_field(meta, "sites"), "sites")
     if sites is None:
         raise ValueError("header field 'sites' must be a list of strings")
@@ -141,8 +180,12 @@ def _contents_from_file(tensors, meta):
         sites=sites,
         feature_names=_str_list(json_field(meta, "feature_names"), "feature_names"),
         speakers=_str_list(json_field(meta, "speakers"), "speakers"),
-        task_ids=_str_list(json_field(meta, "task_ids"), "task_ids", allow_none_items=True,
-                           allow_int_items=True),  # task ids keep their type
+        task_ids=_str_list(
+            json_field(meta, "task_ids"),
+            "task_ids",
+            allow_none_items=True,
+            allow_int_items=True,
+        ),  # task ids keep their type
     )
     return values, offsets, kwargs
 
@@ -229,8 +272,16 @@ class TurnFeatures:
 
     __array_priority__ = 1000  # keep numpy from broadcasting over us
 
-    def __init__(self, values, offsets, *, sites=None, feature_names=None,
-                 speakers=None, task_ids=None):
+    def __init__(
+        self,
+        values,
+        offsets,
+        *,
+        sites=None,
+        feature_names=None,
+        speakers=None,
+        task_ids=None,
+    ):
         if sp.issparse(values):
             values = sp.csr_matrix(values)
             _check_csr_parts(values.data, values.indices, values.indptr, values.shape)
@@ -243,7 +294,9 @@ class TurnFeatures:
                 )
         offsets = np.asarray(offsets)
         if offsets.ndim != 1 or offsets.size < 1:
-            raise ValueError("offsets must be a 1-D array of length n_conversations + 1.")
+            raise ValueError(
+                "offsets must be a 1-D array of length n_conversations + 1."
+            )
         if offsets.dtype.kind not in "iu":
             if not np.all(np.equal(np.mod(offsets, 1), 0)):
                 raise ValueError("offsets must be integers.")
@@ -265,7 +318,9 @@ class TurnFeatures:
         n_sites = values.shape[1] if values.ndim == 3 else 1
         if sites is None:
             sites = (
-                tuple(f"site{i}" for i in range(n_sites)) if values.ndim == 3 else ("features",)
+                tuple(f"site{i}" for i in range(n_sites))
+                if values.ndim == 3
+                else ("features",)
             )
         sites = _as_str_tuple(sites, "sites")
         if len(sites) != n_sites:
@@ -284,7 +339,7 @@ class TurnFeatures:
                     f"speakers must have one entry per turn ({n_total}), got {speakers.shape[0]}."
                 )
         if task_ids is not None:
-            from .utils._validation import check_task_id
+            from .utils.validation import check_task_id
 
             task_ids = np.asarray(
                 [check_task_id(t, f"task_ids[{i}]") for i, t in enumerate(task_ids)],
@@ -384,7 +439,11 @@ class TurnFeatures:
 
     def __repr__(self) -> str:
         kind = "sparse" if self.is_sparse else str(self.values.dtype)
-        sites = self.sites if self.n_sites <= 4 else (*self.sites[:2], "...", self.sites[-1])
+        sites = (
+            self.sites
+            if self.n_sites <= 4
+            else (*self.sites[:2], "...", self.sites[-1])
+        )
         return (
             f"TurnFeatures(n_conversations={self.n_conversations}, "
             f"n_turns_total={self.n_turns_total}, n_sites={self.n_sites}, "
@@ -407,7 +466,9 @@ class TurnFeatures:
 
     def turn_positions(self) -> np.ndarray:
         """0-based position of every turn row inside its conversation."""
-        return np.arange(self.n_turns_total) - np.repeat(self.offsets[:-1], self.n_turns)
+        return np.arange(self.n_turns_total) - np.repeat(
+            self.offsets[:-1], self.n_turns
+        )
 
     def turn_matrix(self, site=None):
         """Return the 2-D turn-row matrix ``(n_turns_total, n_features)`` of one site.
@@ -419,7 +480,9 @@ class TurnFeatures:
         """
         if self.values.ndim == 2:
             if site is not None and site not in (0, self.sites[0]):
-                raise KeyError(f"unknown site {site!r}; this container has {list(self.sites)}.")
+                raise KeyError(
+                    f"unknown site {site!r}; this container has {list(self.sites)}."
+                )
             return self.values
         if site is None:
             if self.n_sites != 1:
@@ -447,7 +510,7 @@ class TurnFeatures:
             If a step is not an integer (``1.7``, ``"1"``, a bool; ``2.0`` is
             accepted) or lies outside its conversation (naming it and its task id).
         """
-        from .utils._validation import check_steps
+        from .utils.validation import check_steps
 
         steps = check_steps(steps, self, name="steps")
         return self.offsets[:-1] + steps
@@ -482,7 +545,9 @@ class TurnFeatures:
         """
         rows = np.asarray(rows)
         if rows.shape[0] != self.n_turns_total:
-            raise ValueError(f"expected {self.n_turns_total} rows, got {rows.shape[0]}.")
+            raise ValueError(
+                f"expected {self.n_turns_total} rows, got {rows.shape[0]}."
+            )
         return np.split(rows, self.offsets[1:-1])
 
     # ---------------------------------------------------------------- indexing
@@ -510,7 +575,9 @@ class TurnFeatures:
         if key.size == 0:
             return np.zeros(0, dtype=np.int64)
         if key.dtype.kind not in "iu":
-            raise IndexError(f"cannot index TurnFeatures with a key of dtype {key.dtype}.")
+            raise IndexError(
+                f"cannot index TurnFeatures with a key of dtype {key.dtype}."
+            )
         key = key.astype(np.int64).ravel()
         n = self.n_conversations
         if np.any((key < -n) | (key >= n)):
@@ -523,8 +590,10 @@ class TurnFeatures:
             if i < 0:
                 i += self.n_conversations
             if not 0 <= i < self.n_conversations:
-                raise IndexError(f"conversation {key} out of range ({self.n_conversations}).")
-            return self.values[self.offsets[i]:self.offsets[i + 1]]
+                raise IndexError(
+                    f"conversation {key} out of range ({self.n_conversations})."
+                )
+            return self.values[self.offsets[i] : self.offsets[i + 1]]
         idx = self._normalise_key(key)
         if idx.size == 0:
             raise IndexError("selecting zero conversations is not supported.")
@@ -560,7 +629,9 @@ class TurnFeatures:
             )
         if isinstance(site, numbers.Integral):
             if not -self.n_sites <= site < self.n_sites:
-                raise KeyError(f"site index {site} out of range ({self.n_sites} sites).")
+                raise KeyError(
+                    f"site index {site} out of range ({self.n_sites} sites)."
+                )
             return int(site) % self.n_sites
         try:
             return self.sites.index(site)
@@ -602,8 +673,12 @@ class TurnFeatures:
 
     def _replace(self, **changes) -> TurnFeatures:
         kwargs = dict(
-            values=self.values, offsets=self.offsets, sites=self.sites,
-            feature_names=self.feature_names, speakers=self.speakers, task_ids=self.task_ids,
+            values=self.values,
+            offsets=self.offsets,
+            sites=self.sites,
+            feature_names=self.feature_names,
+            speakers=self.speakers,
+            task_ids=self.task_ids,
         )
         kwargs.update(changes)
         values = kwargs.pop("values")
@@ -659,10 +734,14 @@ class TurnFeatures:
                 raise TypeError(f"part {j} is a {type(p).__name__}, not TurnFeatures.")
         if prefixes is not None:
             if isinstance(prefixes, str):
-                raise TypeError("prefixes must be a sequence (one per part), not a string.")
+                raise TypeError(
+                    "prefixes must be a sequence (one per part), not a string."
+                )
             prefixes = list(prefixes)
             if len(prefixes) != len(parts):
-                raise ValueError(f"got {len(prefixes)} prefixes for {len(parts)} parts.")
+                raise ValueError(
+                    f"got {len(prefixes)} prefixes for {len(parts)} parts."
+                )
         first = parts[0]
         for j, p in enumerate(parts[1:], 1):
             if not np.array_equal(p.offsets, first.offsets):
@@ -673,7 +752,9 @@ class TurnFeatures:
         sites = multi[0].sites if multi else None
         for p in multi[1:]:
             if p.sites != sites:
-                raise ValueError(f"multi-site parts must share sites: {sites} vs {p.sites}.")
+                raise ValueError(
+                    f"multi-site parts must share sites: {sites} vs {p.sites}."
+                )
         if sites is None:
             blocks = [p.turn_matrix() for p in parts]
             if any(sp.issparse(b) for b in blocks):
@@ -697,9 +778,15 @@ class TurnFeatures:
                     b = p.turn_matrix() if p.values.ndim == 3 else p.values
                     if sp.issparse(b):
                         b = b.toarray()
-                    blocks.append(np.broadcast_to(b[:, None, :], (b.shape[0], n_sites, b.shape[1])))
+                    blocks.append(
+                        np.broadcast_to(
+                            b[:, None, :], (b.shape[0], n_sites, b.shape[1])
+                        )
+                    )
             dtype = np.result_type(*[b.dtype for b in blocks])
-            values = np.concatenate([b.astype(dtype, copy=False) for b in blocks], axis=2)
+            values = np.concatenate(
+                [b.astype(dtype, copy=False) for b in blocks], axis=2
+            )
             out_sites = sites
         names = None
         if prefixes is not None or all(p.feature_names is not None for p in parts):
@@ -711,8 +798,14 @@ class TurnFeatures:
                 names.extend(f"{pre}__{n}" if pre else n for n in base)
         speakers = _agreeing(parts, "speakers", first)
         task_ids = _agreeing(parts, "task_ids", first)
-        return TurnFeatures(values, first.offsets, sites=out_sites, feature_names=names,
-                            speakers=speakers, task_ids=task_ids)
+        return TurnFeatures(
+            values,
+            first.offsets,
+            sites=out_sites,
+            feature_names=names,
+            speakers=speakers,
+            task_ids=task_ids,
+        )
 
     def astype(self, dtype) -> TurnFeatures:
         """Return a copy with values cast to ``dtype``.
@@ -749,8 +842,12 @@ class TurnFeatures:
             "feature_names": json.dumps(
                 None if self.feature_names is None else list(self.feature_names)
             ),
-            "speakers": json.dumps(None if self.speakers is None else self.speakers.tolist()),
-            "task_ids": json.dumps(None if self.task_ids is None else self.task_ids.tolist()),
+            "speakers": json.dumps(
+                None if self.speakers is None else self.speakers.tolist()
+            ),
+            "task_ids": json.dumps(
+                None if self.task_ids is None else self.task_ids.tolist()
+            ),
         }
         return tensors, meta
 
@@ -764,7 +861,7 @@ class TurnFeatures:
         ----------
         path : str or path-like
         """
-        from .utils._io import write_safetensors
+        from .utils.fileio import write_safetensors
 
         tensors, meta = self._tensors_and_metadata()
         write_safetensors(path, tensors, meta)
@@ -802,12 +899,14 @@ class TurnFeatures:
             edited, another format, no digest with ``verify=True``, or an
             inconsistent structure); the message names the file and the problem.
         """
-        from .utils._io import DIGEST_KEY, read_safetensors
+        from .utils.fileio import DIGEST_KEY, read_safetensors
 
         try:
             tensors, meta = read_safetensors(path, require_digest=False)
         except OSError as exc:  # missing or unreadable file: the same error as before
-            raise ValueError(f"{path}: not a readable safetensors file ({exc}).") from exc
+            raise ValueError(
+                f"{path}: not a readable safetensors file ({exc})."
+            ) from exc
         if meta.get("format") != _FORMAT:
             raise ValueError(
                 f"{path}: not a skafa TurnFeatures file (format={meta.get('format')!r})."
@@ -848,9 +947,11 @@ class TurnFeatures:
             for m in (a, b):
                 m.sum_duplicates()  # canonical: sorted indices, no duplicates
                 m.eliminate_zeros()
-            same_values = (np.array_equal(a.indptr, b.indptr)
-                           and np.array_equal(a.indices, b.indices)
-                           and _same_array(a.data, b.data))
+            same_values = (
+                np.array_equal(a.indptr, b.indptr)
+                and np.array_equal(a.indices, b.indices)
+                and _same_array(a.data, b.data)
+            )
         else:
             same_values = _same_array(self.values, other.values)
 
@@ -867,3 +968,58 @@ class TurnFeatures:
             and eq(self.speakers, other.speakers)
             and eq(self.task_ids, other.task_ids)
         )
+
+
+def check_turn_features(X, estimator):
+    """Return ``X`` if it is a non-empty TurnFeatures, else raise saying what to do.
+
+    Parameters
+    ----------
+    X : object
+    estimator : object or str
+        The caller (its class name is used in messages).
+
+    Returns
+    -------
+    TurnFeatures
+    """
+
+    name = estimator if isinstance(estimator, str) else type(estimator).__name__
+    if not isinstance(X, TurnFeatures):
+        raise TypeError(
+            f"{name} expects a skafa.TurnFeatures (one entry per conversation, one "
+            f"feature row per turn), got {type(X).__name__}. Turn conversations into "
+            "per-turn features with skafa.TurnActivationTransformer (or another skafa "
+            "featurizer), or build TurnFeatures(values, offsets) from your own "
+            "per-turn arrays."
+        )
+    if len(X) == 0:
+        raise ValueError(
+            f"{name} got a TurnFeatures with 0 conversations; pass at least one "
+            "conversation."
+        )
+    return X
+
+
+def agents_at(X, steps):
+    """Speaker of turn ``steps[i]`` of every conversation (``None`` where ``steps[i] < 0``).
+
+    The one way estimators read agents off predicted turns: ``X`` is a
+    :class:`~skafa.TurnFeatures` (which must carry ``speakers``) or a list of
+    :class:`~skafa.Conversation`. A negative step ("no alarm") has no speaker.
+    """
+
+    steps = np.asarray(steps, dtype=np.int64)
+    if isinstance(X, TurnFeatures):
+        if X.speakers is None:
+            raise ValueError(
+                "X carries no speakers, so agents cannot be read off the predicted "
+                "turns; build TurnFeatures with speakers=... (one per turn) or use "
+                "features from skafa.TurnActivationTransformer."
+            )
+        out = X.speakers_at(np.where(steps >= 0, steps, 0))
+        out[steps < 0] = None
+        return out
+    return np.asarray(
+        [None if s < 0 else c.turns[s].speaker for c, s in zip(X, steps)], dtype=object
+    )

@@ -121,7 +121,7 @@ _EXTRA_CORPUS = (
 
 
 def _corpus() -> list[str]:
-    from .prompt import DEFAULT_INSTRUCTION, DEFAULT_SYSTEM
+    from .llm import DEFAULT_INSTRUCTION, DEFAULT_SYSTEM
 
     rng = np.random.default_rng(1234)
     lines = list(_EXTRA_CORPUS) + [DEFAULT_SYSTEM, DEFAULT_INSTRUCTION] * 3
@@ -280,7 +280,7 @@ def make_tiny_llama(vocab_size=None, n_layers=2, hidden=32, seed=0,
         Seed of the weight initialisation (the global torch RNG state is restored
         afterwards). Same seed, same weights.
     max_position_embeddings : int, default=512
-        The model's context length (what :func:`skafa.models.context_length` reports).
+        The model's context length (what :func:`skafa.llm.context_length` reports).
     n_heads, n_kv_heads : int, default=4, 2
         Attention and key/value heads (grouped-query attention, like SmolLM2).
     intermediate : int or None, default=None
@@ -455,7 +455,7 @@ def make_conversations(n=6, *, min_turns=2, max_turns=6, seed=0,
 def register_tiny_model(name="skafa-tiny-llama"):
     """Register a tiny random Llama and its tokenizer under ``name``, once.
 
-    The model estimators take a model *name* (:func:`skafa.models.load_model`);
+    The model estimators take a model *name* (:func:`skafa.llm.load_model`);
     this gives tests, doctests and :mod:`skafa.utils.estimator_checks` one to use
     without any download. Registering again under the same name is a no-op.
 
@@ -474,7 +474,7 @@ def register_tiny_model(name="skafa-tiny-llama"):
     >>> extractor.fit_transform(make_conversations(2)).values.shape[1:]
     (1, 32)
     """
-    from .models import register_model, registered_models
+    from .llm import register_model, registered_models
 
     if name not in registered_models():
         register_model(name, make_tiny_llama(), make_tiny_tokenizer())

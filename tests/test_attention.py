@@ -1,4 +1,4 @@
-"""Banded sliding-window attention (skafa.attention): equal to dense sdpa and eager."""
+"""Banded sliding-window attention (skafa.llm._attention): equal to dense sdpa and eager."""
 
 import numpy as np
 import pytest
@@ -6,15 +6,15 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers.masking_utils")
 
-from skafa import attention as attn
-from skafa.attention import (
+from skafa.llm import _attention as attn
+from skafa.llm import (
     BANDED_SDPA,
     banded_sdpa_attention_forward,
     banded_sliding_window_attention,
     has_sliding_window,
 )
-from skafa.cost import forward_flops
-from skafa.extraction import extract_activations
+from skafa.llm import forward_flops
+from skafa.llm import extract_activations
 from skafa.testing import make_tiny_gemma3, make_tiny_llama
 
 WINDOW = 16
@@ -164,7 +164,7 @@ def test_extraction_reads_the_same_activations(spy):
 
 
 def test_judge_scores_the_same(spy):
-    from skafa.judge import score_candidates
+    from skafa.baselines._judge import score_candidates
 
     prefix = list(_ids((6 * WINDOW,), seed=3).numpy())
     conts = [[[5], [6, 7], [8]]]
@@ -177,7 +177,7 @@ def test_judge_scores_the_same(spy):
 
 
 def test_forward_flops_counts_the_band():
-    from skafa.cost import layer_parameters
+    from skafa.llm import layer_parameters
 
     model = _gemma3("sdpa")  # layers: sliding, sliding, global; 4 heads x 8 = 32 wide
     linear = 2.0 * layer_parameters(model)
@@ -196,8 +196,8 @@ def test_kv_cache_appends_equal_eager(spy):
     """A long first append (empty cache) runs banded; the short continuation dense."""
     from transformers import DynamicCache
 
-    from skafa.extraction import SiteReader
-    from skafa.sites import decoder_layout
+    from skafa.llm import SiteReader
+    from skafa.llm import decoder_layout
 
     ids = _ids((1, 5 * WINDOW + 3), seed=4)
     first, second = ids[:, : 4 * WINDOW], ids[:, 4 * WINDOW:]

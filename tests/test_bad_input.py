@@ -14,7 +14,7 @@ import scipy.sparse as sp
 
 from skafa import Conversation, Turn, TurnFeatures
 from skafa.conversation import ConversationError
-from skafa.utils._io import DIGEST_KEY, read_safetensors, write_safetensors
+from skafa.utils.fileio import DIGEST_KEY, read_safetensors, write_safetensors
 
 SIZES = [3, 1, 4, 2]
 
@@ -216,7 +216,7 @@ CACHE_SITES = ("resid_pre.0", "resid_final")
 
 
 def _cache_entry(tmp_path):
-    from skafa.cache import ActivationCache
+    from skafa.llm import ActivationCache
 
     cache = ActivationCache(tmp_path, memory=False)
     key = "ab" * 32
@@ -226,7 +226,8 @@ def _cache_entry(tmp_path):
 
 
 def test_cache_entry_with_reversed_site_names_is_corrupt(tmp_path):
-    from skafa.cache import CacheCorruptionWarning, _crc
+    from skafa.exceptions import CacheCorruptionWarning
+    from skafa.llm._cache import _crc
 
     cache, key, values = _cache_entry(tmp_path)
     path = cache.path(key)
@@ -247,7 +248,7 @@ def test_cache_entry_with_reversed_site_names_is_corrupt(tmp_path):
 def test_cache_entry_without_digest_is_a_miss(tmp_path):
     from safetensors.numpy import save_file
 
-    from skafa.cache import CacheCorruptionWarning
+    from skafa.exceptions import CacheCorruptionWarning
 
     cache, key, values = _cache_entry(tmp_path)
     tensors, meta = read_safetensors(cache.path(key))
@@ -258,7 +259,7 @@ def test_cache_entry_without_digest_is_a_miss(tmp_path):
 
 
 def test_deeply_nested_cache_header_is_a_value_error(tmp_path):
-    from skafa.cache import _read_entry
+    from skafa.llm._cache import _read_entry
 
     cache, key, values = _cache_entry(tmp_path)
     _rewrite(cache.path(key), lambda t, m: m.__setitem__("sites", "[" * 100_000))
@@ -439,7 +440,7 @@ def tok():
 
 
 def test_transcript_shaped_expected_answer_does_not_move_turns(tok):
-    from skafa.prompt import DEFAULT_INSTRUCTION, encode
+    from skafa.llm import DEFAULT_INSTRUCTION, encode
 
     conv = Conversation([Turn("a", "x"), Turn("b", "y")], task="t",
                         expected_answer="Conversation:\n0 - a: x\n1 - b: y")
@@ -450,7 +451,7 @@ def test_transcript_shaped_expected_answer_does_not_move_turns(tok):
 
 
 def test_transcript_shaped_task_without_headers(tok):
-    from skafa.prompt import DEFAULT_INSTRUCTION, PromptTemplate, encode
+    from skafa.llm import DEFAULT_INSTRUCTION, PromptTemplate, encode
 
     conv = Conversation([Turn("a", "x"), Turn("b", "y")], task="0 - a: x\n1 - b: y",
                         expected_answer="0 - a: x")
@@ -461,7 +462,7 @@ def test_transcript_shaped_task_without_headers(tok):
 
 
 def test_trimming_chat_template_is_still_located(tok):
-    from skafa.prompt import PromptTemplate, encode
+    from skafa.llm import PromptTemplate, encode
     from skafa.testing import make_tiny_tokenizer
 
     t = make_tiny_tokenizer()
@@ -478,7 +479,7 @@ def test_trimming_chat_template_is_still_located(tok):
 
 @pytest.mark.parametrize("field", ["task", "expected_answer", "speaker"])
 def test_special_tokens_outside_turn_content_warn(tok, field):
-    from skafa.prompt import encode
+    from skafa.llm import encode
 
     special = "<|im_start|>"
     speaker = f"b{special}" if field == "speaker" else "b"
@@ -540,7 +541,7 @@ def test_permuted_feature_names_are_refused_at_predict():
 def test_permuted_feature_names_are_refused_by_per_turn_and_site_concatenator():
     from sklearn.preprocessing import StandardScaler
 
-    from skafa.composition import PerTurn, SiteConcatenator
+    from skafa.compose import PerTurn, SiteConcatenator
 
     X = _dense(feature_names=["a", "b", "c"])
     Xp = _dense(feature_names=["c", "b", "a"])
@@ -557,7 +558,7 @@ def test_permuted_feature_names_are_refused_by_per_turn_and_site_concatenator():
 
 @pytest.fixture(scope="module")
 def tiny_model_name():
-    from skafa.models import register_model, unregister_model
+    from skafa.llm import register_model, unregister_model
     from skafa.testing import make_tiny_llama, make_tiny_tokenizer
 
     name = "skafa-test-bad-input"
@@ -582,7 +583,7 @@ def test_bad_dtype_or_device_fails_at_fit(tiny_model_name, param, value, message
 
 
 def test_bad_dtype_or_device_in_load_model(tiny_model_name):
-    from skafa.models import load_model
+    from skafa.llm import load_model
 
     with pytest.raises(ValueError, match="dtype"):
         load_model(tiny_model_name, dtype="int8")

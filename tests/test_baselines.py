@@ -1,4 +1,4 @@
-"""Tests for skafa.featurizers, skafa.composition (TurnFeatureUnion, SiteConcatenator) and skafa.dummies."""
+"""Tests for skafa.featurizers._featurizers, skafa.compose._composition (TurnFeatureUnion, SiteConcatenator) and skafa.baselines._dummy."""
 
 from __future__ import annotations
 
@@ -388,7 +388,7 @@ def test_dummy_in_grouped_cross_validation():
 def test_logistic_probe_on_position_beats_first_dummy():
     from sklearn.pipeline import Pipeline
 
-    from skafa import probes as estimators
+    from skafa.probes import _probes as estimators
 
     train, y_train = synthetic(40, seed=0)
     test, y_test = synthetic(30, seed=1)

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from skafa import extraction
-from skafa.cache import ActivationCache, shared_memory_cache
-from skafa.extraction import TurnActivationTransformer, extract_activations
+from skafa.llm import _extraction as extraction
+from skafa.llm import ActivationCache, shared_memory_cache
+from skafa.llm import TurnActivationTransformer, extract_activations
 from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
 
 #: Documented tolerance of bfloat16 compute against float32, per site: the relative

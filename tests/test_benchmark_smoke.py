@@ -193,7 +193,8 @@ def test_mi4afa_runs_on_a_tokenizer_without_chat_template():
     pytest.importorskip("ag2.extensions.mi4afa", reason="ag2 (the test extra) not installed")
     import copy
 
-    from skafa.prompt import PromptTemplate, _plain_text
+    from skafa.llm import PromptTemplate
+    from skafa.llm._prompt import _plain_text
     from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
 
     bench = _load()
@@ -218,7 +219,7 @@ def test_mi4afa_activations_float32_and_keyed_by_dtype(tmp_path):
     pytest.importorskip("ag2.extensions.mi4afa", reason="ag2 (the test extra) not installed")
     import torch
 
-    from skafa.prompt import PromptTemplate
+    from skafa.llm import PromptTemplate
     from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
 
     bench = _load()
@@ -244,7 +245,7 @@ def test_judge_cache_key_names_a_non_float32_dtype():
     import argparse
     import types
 
-    from skafa.prompt import PromptTemplate
+    from skafa.llm import PromptTemplate
 
     bench = _load()
     judge = types.SimpleNamespace(model_identity_={"kind": "gguf", "file_digest": "d"},

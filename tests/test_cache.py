@@ -1,4 +1,4 @@
-"""Tests for skafa.cache: keys, memory LRU, atomic and checked disk entries."""
+"""Tests for skafa.llm._cache: keys, memory LRU, atomic and checked disk entries."""
 
 import glob
 import json
@@ -10,13 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from skafa.cache import (
-    ActivationCache,
-    CacheCorruptionWarning,
-    MemoryLRU,
-    activation_key,
-    shared_memory_cache,
-)
+from skafa.llm import ActivationCache, MemoryLRU, activation_key, shared_memory_cache
+from skafa.exceptions import CacheCorruptionWarning
 from skafa.conversation import Conversation, Turn
 
 SITES = ("resid_pre.0", "mlp_in.0", "resid_pre.1", "mlp_in.1", "resid_final")
@@ -242,7 +237,7 @@ def test_concurrent_writers_never_leave_a_corrupt_entry(tmp_path):
 
 
 def test_failed_disk_write_warns_and_continues(tmp_path, monkeypatch):
-    import skafa.cache as cache_mod
+    import skafa.llm._cache as cache_mod
 
     def boom(*a, **k):
         raise OSError(28, "No space left on device")

@@ -8,7 +8,7 @@ import pytest
 
 from skafa import FailureAttributor
 from skafa.cli import EXIT_DATA, EXIT_MODEL, EXIT_OK, EXIT_USAGE, main
-from skafa.models import register_model, unregister_model
+from skafa.llm import register_model, unregister_model
 from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
 
 MODEL = "cli-tiny"

@@ -34,7 +34,7 @@ from skafa import (
     PerTurn,
     TurnFeatures,
 )
-from skafa.selection import SiteSelector
+from skafa.model_selection import SiteSelector
 
 SITES = ("s0", "s1", "s2", "s3")
 
@@ -245,11 +245,11 @@ TINY_MODEL = "skafa-tests-tiny-llama-composition"
 @pytest.fixture(scope="module")
 def tiny_model():
     """Register a tiny random llama under a name (skips if the modules are absent)."""
-    extraction = pytest.importorskip("skafa.extraction")
+    extraction = pytest.importorskip("skafa.llm._extraction")
     if not hasattr(extraction, "TurnActivationTransformer"):
-        pytest.skip("skafa.extraction.TurnActivationTransformer is not available yet")
+        pytest.skip("skafa.llm.TurnActivationTransformer is not available yet")
     testing = pytest.importorskip("skafa.testing")
-    models = pytest.importorskip("skafa.models")
+    models = pytest.importorskip("skafa.llm._models")
     model = testing.make_tiny_llama(n_layers=2, hidden=32, seed=0)
     tokenizer = testing.make_tiny_tokenizer()
     models.register_model(TINY_MODEL, model, tokenizer, overwrite=True)
@@ -258,7 +258,7 @@ def tiny_model():
 
 
 def test_end_to_end_from_conversations(tiny_model):
-    from skafa.extraction import TurnActivationTransformer
+    from skafa.llm import TurnActivationTransformer
     from skafa.testing import make_conversations
 
     convs = make_conversations(24, min_turns=2, max_turns=5, seed=0)
@@ -292,7 +292,7 @@ def test_end_to_end_from_conversations(tiny_model):
     n_weight_bytes = sum(p.numel() * p.element_size() for p in tiny_model.parameters())
     assert len(pickle.dumps(cloned)) < n_weight_bytes
     # The name resolves to the one registered object (process registry, no copy).
-    from skafa.models import load_model
+    from skafa.llm import load_model
 
     loaded_model, _ = load_model(cloned.named_steps["acts"].model)
     assert loaded_model is tiny_model

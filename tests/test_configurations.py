@@ -91,7 +91,7 @@ def test_failure_attributor_defaults_are_the_recommended_configuration():
 
 
 def test_recommended_configuration_fits_on_a_tiny_model():
-    from skafa.models import register_model, unregister_model
+    from skafa.llm import register_model, unregister_model
     from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
 
     name = "configurations-tiny"

@@ -1,4 +1,4 @@
-"""Tests for skafa.datasets: load_who_and_when, fetch_who_and_when and helpers."""
+"""Tests for skafa.datasets._who_and_when: load_who_and_when, fetch_who_and_when and helpers."""
 
 import json
 import os

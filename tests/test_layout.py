@@ -1,59 +1,161 @@
-"""The package layout a maintainer relies on: one home per concept, one compat shim."""
+"""The package layout a maintainer relies on: concept subpackages, one export table,
+no import circle, no private import across subpackages."""
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
 import pytest
 
 import skafa
-from skafa.utils import all_estimators
+from skafa.utils import all_estimators, public_path
 
 PACKAGE = Path(skafa.__file__).parent
+ROOT = PACKAGE.parent
 
 
-def test_every_public_name_importable_from_the_top_level():
+def _modules():
+    """``{dotted name: path}`` of every module under skafa/."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name, path):
+    """``[(lineno, target module, imported names)]`` of every skafa import in a module,
+    at module level or inside functions, relative imports resolved."""
+    is_package = path.name == "__init__.py"
+    here = name.split(".") if is_package else name.split(".")[:-1]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] == "skafa":
+                out.append((node.lineno, target, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, []) for a in node.names
+                    if a.name.split(".")[0] == "skafa"]
+    return out
+
+
+def _unit(module):
+    """The subpackage (or top-level module) a module belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_import_graph_has_no_circle():
+    edges = {}
+    for name, path in MODULES.items():
+        targets = set()
+        for _, target, names in _imports(name, path):
+            for n in names:
+                if f"{target}.{n}" in MODULES:  # `from . import submodule`
+                    targets.add(f"{target}.{n}")
+            targets.add(target)
+        edges[name] = {t for t in targets if t in MODULES and t != name}
+    # iterative DFS, report one cycle
+    state, stack = {}, []
+
+    def visit(start):
+        todo = [(start, iter(sorted(edges[start])))]
+        state[start] = 1
+        stack.append(start)
+        while todo:
+            node, children = todo[-1]
+            for child in children:
+                if state.get(child) == 1:
+                    return stack[stack.index(child):] + [child]
+                if child not in state:
+                    state[child] = 1
+                    stack.append(child)
+                    todo.append((child, iter(sorted(edges[child]))))
+                    break
+            else:
+                state[node] = 2
+                stack.pop()
+                todo.pop()
+        return None
+
+    for name in sorted(MODULES):
+        if name not in state:
+            cycle = visit(name)
+            assert cycle is None, " -> ".join(cycle)
+
+
+def test_no_private_import_across_subpackages():
+    offenders = []
+    for name, path in MODULES.items():
+        for lineno, target, names in _imports(name, path):
+            if _unit(target) == _unit(name) and _unit(name):
+                continue  # inside one subpackage, private modules are the point
+            where = f"{path.relative_to(ROOT)}:{lineno}"
+            private_parts = [p for p in target.split(".")[1:] if p.startswith("_")
+                             and not p.startswith("__")]
+            if private_parts and target != "skafa._version":
+                offenders.append(f"{where} from {target}")
+            offenders += [f"{where} {target}.{n}" for n in names
+                          if n.startswith("_") and not n.startswith("__")]
+    assert offenders == []
+
+
+def test_production_code_never_imports_test_helpers():
+    allowed = ("skafa.testing", "skafa.utils.estimator_checks", "skafa.utils._test_common")
+    offenders = [f"{name}:{lineno}" for name, path in MODULES.items()
+                 if not name.startswith(allowed)
+                 for lineno, target, _ in _imports(name, path)
+                 if target.startswith(("skafa.testing", "skafa.utils._test_common"))]
+    assert offenders == []
+
+
+def test_no_test_scaffolding_on_production_classes():
+    for _, cls in all_estimators():
+        assert "_check_instances" not in vars(cls), cls
+
+
+def test_export_table_is_the_public_api():
+    assert skafa.__all__ == ["__version__", *sorted(skafa._EXPORTS)]
     for name in skafa.__all__:
         assert getattr(skafa, name) is not None, name
+    # every public estimator is exported at the top level, from its public home
+    for name, cls in all_estimators():
+        assert name in skafa._EXPORTS, f"{name} is not in skafa/__init__.py's _EXPORTS"
+        assert public_path(cls) == f"skafa.{skafa._EXPORTS[name]}.{name}"
+    # internals are not exported at the top level
+    for internal in ("SiteReader", "MemoryLRU", "LoadContext", "Encoding", "PromptPlan",
+                     "DecoderLayout", "ModelSpec", "PersistenceMixin"):
+        assert internal not in skafa.__all__
 
 
-@pytest.mark.parametrize("old, names", [
-    ("skafa.estimators", ["GroupedArgmaxClassifier", "GroupedArgmaxLogisticClassifier",
-                          "PerTurn"]),
-    ("skafa.baselines", ["TurnPositionTransformer", "TurnTextTransformer",
-                         "TurnFeatureUnion", "SiteConcatenator", "DummyStepClassifier"]),
-    ("skafa.pipeline", ["AttributionPipeline", "make_attribution_pipeline"]),
-])
-def test_old_module_paths_still_resolve_to_the_same_objects(old, names):
-    module = importlib.import_module(old)
-    for name in names:
-        assert getattr(module, name) is getattr(skafa, name)
+def test_api_docs_list_the_export_table_and_every_subpackage():
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    documented = {line.split()[1] for line in text.splitlines() if line.startswith("::: ")}
+    homes = {public_path(cls).rpartition(".")[0] for _, cls in all_estimators()}
+    assert homes <= documented, homes - documented
+    table = dict(re.findall(r"^\| `(\w+)` \| `skafa\.([\w.]+)` \|$", text, re.M))
+    assert table == skafa._EXPORTS
 
 
-def test_all_estimators_lists_each_class_once_under_its_home_module():
-    found = all_estimators()
-    names = [n for n, _ in found]
-    assert len(names) == len(set(names))
-    homes = {n: c.__module__ for n, c in found}
-    assert homes["GroupedArgmaxLogisticClassifier"] == "skafa.probes"
-    assert homes["TurnPositionTransformer"] == "skafa.featurizers"
-    assert homes["TurnFeatureUnion"] == "skafa.composition"
-    assert homes["DummyStepClassifier"] == "skafa.dummies"
-    assert not any(m in ("skafa.estimators", "skafa.baselines", "skafa.pipeline")
-                   for m in homes.values())
-    # every public estimator is importable from the top level, found from its module's
-    # __all__ (no hand-kept table in skafa/__init__.py to update)
-    for name, cls in found:
-        assert getattr(skafa, name) is cls, name
-        assert name in skafa.__all__ and skafa._LAZY[name] == cls.__module__.split(".")[1]
-
-
-def test_top_level_classes_are_discovered_from_module_all():
-    discovered = skafa._discover()
-    assert discovered["GroupedSoftmaxClassifier"] == "probes"
-    assert discovered["TurnScoreStacker"] == "stacking"
-    # alias modules and helpers are not scanned
-    assert not set(discovered.values()) & skafa._NOT_EXPORTED
+def test_subpackages_export_explicitly():
+    for name, path in MODULES.items():
+        if path.name != "__init__.py" or name == "skafa":
+            continue
+        module = importlib.import_module(name)
+        assert isinstance(getattr(module, "__all__", None), list), name
+        for item in module.__all__:
+            assert hasattr(module, item), f"{name}.{item}"
 
 
 def test_all_estimators_type_filter():
@@ -80,18 +182,19 @@ def _private_sklearn_imports(path):
 def test_sklearn_private_names_only_through_the_compat_module():
     offenders = []
     for path in PACKAGE.rglob("*.py"):
-        if path.name == "_sklearn_compat.py":
+        if path.name == "sklearn_compat.py":
             continue
         offenders += _private_sklearn_imports(path)
     assert offenders == []
-    # and the compat module itself imports on this scikit-learn
-    importlib.import_module("skafa.utils._sklearn_compat")
+    importlib.import_module("skafa.utils.sklearn_compat")
 
 
-def test_api_docs_are_generated_for_every_public_module():
-    text = (PACKAGE.parent / "docs" / "api.md").read_text(encoding="utf-8")
-    documented = {line.split()[1] for line in text.splitlines() if line.startswith("::: ")}
-    homes = {cls.__module__ for _, cls in all_estimators()}
-    assert homes <= documented, homes - documented
-    # no hand-kept summary tables to update when an estimator is added
-    assert "| object | signature |" not in text
+def test_import_skafa_stays_light():
+    import subprocess
+    import sys
+
+    code = ("import sys, skafa; skafa.GroupedArgmaxLogisticClassifier; "
+            "print(any(m in sys.modules for m in ('torch', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"

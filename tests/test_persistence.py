@@ -1,4 +1,4 @@
-"""Tests for skafa.persistence: save/load as JSON + safetensors, without pickle."""
+"""Tests for skafa.persistence._persistence: save/load as JSON + safetensors, without pickle."""
 
 import json
 import math
@@ -32,20 +32,14 @@ from skafa import (
     TurnFeatureUnion,
     TurnPositionTransformer,
     TurnTextTransformer,
-    persistence,
 )
-from skafa.extraction import TurnActivationTransformer
-from skafa.models import register_model, unregister_model
-from skafa.persistence import (
-    ARRAYS_NAME,
-    JSON_NAME,
-    ModelMismatchWarning,
-    PersistenceVersionWarning,
-    load,
-    save,
-)
-from skafa.prompt import PromptTemplate
-from skafa.selection import SiteSelector
+from skafa.persistence import _persistence as persistence
+from skafa.llm import TurnActivationTransformer
+from skafa.llm import register_model, unregister_model
+from skafa.persistence import ARRAYS_NAME, JSON_NAME, load, save
+from skafa.exceptions import ModelMismatchWarning, PersistenceVersionWarning
+from skafa.llm import PromptTemplate
+from skafa.model_selection import SiteSelector
 from skafa.testing import (
     make_conversations,
     make_tiny_llama,
@@ -610,7 +604,7 @@ def test_overwrite(saved_probe, features):
 
 def test_allowlist_contents():
     names = persistence.allowed_classes()
-    for required in ("skafa.extraction.TurnActivationTransformer",
+    for required in ("skafa.llm.TurnActivationTransformer",
                      "skafa.attributor.FailureAttributor", "sklearn.pipeline.Pipeline",
                      "sklearn.feature_extraction.text.TfidfVectorizer"):
         assert required in names
@@ -641,7 +635,7 @@ def test_device_override(fitted_lm_pipeline, tmp_path):
 
 
 def test_prompted_judge_roundtrip(tiny_models, conversations, tmp_path):
-    from skafa.judge import PromptedJudge
+    from skafa.baselines import PromptedJudge
 
     judge = PromptedJudge(tiny_models["main"], prompt=PromptTemplate(history_header=None),
                           chat_template_kwargs={"date_string": "2 Feb 2025"}).fit(
@@ -654,7 +648,7 @@ def test_prompted_judge_roundtrip(tiny_models, conversations, tmp_path):
     assert loaded.prompt_ == judge.prompt_ and loaded.model_fingerprint_ == judge.model_fingerprint_
     assert_bitwise(loaded.predict(conversations[:3]), judge.predict(conversations[:3]))
     doc = json.loads((path / JSON_NAME).read_text())
-    assert doc["models"][0]["class"] == "skafa.judge.PromptedJudge"
+    assert doc["models"][0]["class"] == "skafa.baselines.PromptedJudge"
     with pytest.raises(ValueError, match="different model architecture"):
         load(path, model=tiny_models["qwen"])
 
@@ -848,11 +842,11 @@ def test_old_import_paths_still_load(conversations, tmp_path):
     path = save(pipe, tmp_path / "old")
 
     def edit(doc):  # the names a file written before the module split holds
-        doc["tree"]["__estimator__"] = "skafa.pipeline.AttributionPipeline"
+        doc["tree"]["__estimator__"] = "skafa.compose.AttributionPipeline"
         steps = doc["tree"]["params"]["steps"]
-        steps[0]["__tuple__"][1]["__estimator__"] = "skafa.baselines.TurnPositionTransformer"
+        steps[0]["__tuple__"][1]["__estimator__"] = "skafa.featurizers.TurnPositionTransformer"
         steps[1]["__tuple__"][1]["__estimator__"] = \
-            "skafa.estimators.GroupedArgmaxLogisticClassifier"
+            "skafa.probes.GroupedArgmaxLogisticClassifier"
 
     rewrite(path, edit)
     loaded = load(path)
@@ -860,13 +854,13 @@ def test_old_import_paths_still_load(conversations, tmp_path):
     assert_bitwise(loaded.predict(conversations[16:]), pipe.predict(conversations[16:]))
     # and a new save writes each class's home module
     doc = json.loads((save(loaded, tmp_path / "new") / JSON_NAME).read_text())
-    assert doc["tree"]["__estimator__"] == "skafa.composition.AttributionPipeline"
+    assert doc["tree"]["__estimator__"] == "skafa.compose.AttributionPipeline"
 
 
 @pytest.mark.parametrize("name", [
-    "skafa.probes.LogisticRegression",   # imported into a skafa module, defined in sklearn
-    "skafa.composition.Pipeline",        # same: scikit-learn's class, not skafa's
-    "skafa.persistence.np",              # a module, not a class
+    "skafa.probes._probes.LogisticRegression",   # imported into a skafa module, defined in sklearn
+    "skafa.compose._composition.Pipeline",        # same: scikit-learn's class, not skafa's
+    "skafa.persistence._persistence.np",              # a module, not a class
     "skafa.features.TurnFeatures",       # a skafa class, but not an estimator
     "skafa.no_such_module.Estimator",
     "skafa_evil.Estimator",
@@ -916,20 +910,28 @@ class MeanShiftProbe(PersistenceMixin, BaseEstimator):
 '''
 
 
-def test_new_skafa_estimator_needs_no_registration(tmp_path, monkeypatch):
+def test_new_skafa_estimator_needs_no_registration(tmp_path, monkeypatch, request):
     import types
 
-    name = "skafa._persistence_demo"
+    import skafa.probes
+    from skafa.utils import discovery
+
+    # a new estimator in a private module of a subpackage, exported by the subpackage
+    name = "skafa.probes._persistence_demo"
     module = types.ModuleType(name)
     monkeypatch.setitem(sys.modules, name, module)
     exec(compile(NEW_ESTIMATOR_MODULE, f"<{name}>", "exec"), module.__dict__)
+    monkeypatch.setattr(skafa.probes, "MeanShiftProbe", module.MeanShiftProbe, raising=False)
+    monkeypatch.setattr(skafa.probes, "__all__", [*skafa.probes.__all__, "MeanShiftProbe"])
+    discovery._homes.cache_clear()
+    request.addfinalizer(discovery._homes.cache_clear)  # runs after monkeypatch's undo
     X = np.arange(12.0).reshape(4, 3)
     est = module.MeanShiftProbe(shift=0.5).fit(X)
     pipe = Pipeline([("scale", StandardScaler()), ("probe", module.MeanShiftProbe())]).fit(X)
     path = save(pipe, tmp_path / "new")
     doc = json.loads((path / JSON_NAME).read_text())
     step = doc["tree"]["params"]["steps"][1]["__tuple__"][1]
-    assert step["__estimator__"] == f"{name}.MeanShiftProbe"
+    assert step["__estimator__"] == "skafa.probes.MeanShiftProbe"
     assert "_lookup" not in step["state"]
     loaded = load(path)
     assert_bitwise(loaded.predict(X), pipe.predict(X))
@@ -940,7 +942,7 @@ def test_new_skafa_estimator_needs_no_registration(tmp_path, monkeypatch):
 def test_allowed_sklearn_classes_include_what_the_tests_combine():
     names = persistence.allowed_classes()
     for required in ("sklearn.decomposition.TruncatedSVD", "sklearn.naive_bayes.GaussianNB",
-                     "skafa.composition.PerTurn", "skafa.probes.GroupedArgmaxClassifier"):
+                     "skafa.compose.PerTurn", "skafa.probes.GroupedArgmaxClassifier"):
         assert required in names
 
 
@@ -964,7 +966,8 @@ def test_persistence_holds_no_per_class_table():
     private = [f"{node.module}.{alias.name}" for node in ast.walk(tree)
                if isinstance(node, ast.ImportFrom) and node.level and node.module
                and not node.module.startswith("utils")
-               for alias in node.names if alias.name.startswith("_")]
+               for alias in node.names
+               if alias.name.startswith("_") and not alias.name.startswith("__")]
     assert private == []
     for table in ("_DEFAULT_CLASSES", "_EXCLUDED_STATE", "_AFTER_LOAD", "_EXTRACTION_CLASSES",
                   "_MODEL_PARAM_CLASSES"):

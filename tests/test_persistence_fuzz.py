@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from sklearn.base import BaseEstimator
 from sklearn.utils import Bunch
 
-from skafa import GroupedArgmaxLogisticClassifier, TurnFeatures, persistence
+from skafa import GroupedArgmaxLogisticClassifier, TurnFeatures
+from skafa.persistence import _persistence as persistence
 from skafa.persistence import ARRAYS_NAME, JSON_NAME, load, save
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,

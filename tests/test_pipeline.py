@@ -16,7 +16,7 @@ from skafa import (
     TurnPositionTransformer,
     make_attribution_pipeline,
 )
-from skafa.composition import final_step_call
+from skafa.compose import final_step_call
 from skafa.testing import make_conversations
 
 

@@ -1,4 +1,4 @@
-"""Tests for skafa.prompt and skafa.testing (tiny tokenizer, models, conversations)."""
+"""Tests for skafa.llm._prompt and skafa.testing (tiny tokenizer, models, conversations)."""
 
 import datetime as _dt
 import json
@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 
 from skafa.conversation import Conversation, Turn
-from skafa.prompt import (
+from skafa.llm import (
     Encoding,
     PromptPlan,
     PromptTemplate,
-    PromptTooLongError,
     check_fits,
     encode,
     plan,
     template_uses_date,
 )
+from skafa.exceptions import PromptTooLongError
 from skafa.testing import (
     make_conversations,
     make_tiny_gemma,

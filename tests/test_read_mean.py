@@ -6,11 +6,11 @@ import torch
 from sklearn.base import clone
 
 from skafa.attributor import FailureAttributor
-from skafa.cache import shared_memory_cache
-from skafa.extraction import TurnActivationTransformer, extract_activations
-from skafa.models import register_model, unregister_model
-from skafa.prompt import PromptTemplate
-from skafa.sites import decoder_layout
+from skafa.llm import shared_memory_cache
+from skafa.llm import TurnActivationTransformer, extract_activations
+from skafa.llm import register_model, unregister_model
+from skafa.llm import PromptTemplate
+from skafa.llm import decoder_layout
 from skafa.testing import (
     make_conversations,
     make_tiny_llama,
@@ -132,7 +132,7 @@ def test_read_is_part_of_the_cache_key(tiny, tmp_path):
     np.testing.assert_array_equal(again.transform(convs).values, b.values)
     assert again.run_stats["n_forward_passes"] == 0
     # "last" keeps the key it had before the option existed.
-    from skafa.cache import activation_key
+    from skafa.llm import activation_key
     base = dict(model_identity="m", model_fingerprint={}, dtype="float32",
                 prompt_fingerprint="p", chat_template_kwargs=None, conversation=convs[0])
     assert activation_key(**base) == activation_key(**base, read="last")

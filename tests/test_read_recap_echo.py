@@ -11,12 +11,13 @@ from sklearn.base import clone
 
 from skafa import GroupedArgmaxLogisticClassifier, SiteSelector
 from skafa.attributor import FailureAttributor
-from skafa.cache import activation_key, shared_memory_cache
+from skafa.llm import activation_key, shared_memory_cache
 from skafa.conversation import Conversation, Turn
-from skafa.extraction import TurnActivationTransformer
-from skafa.models import register_model, unregister_model
-from skafa.prompt import PromptTemplate, PromptTooLongError, encode, plan
-from skafa.sites import decoder_layout
+from skafa.llm import TurnActivationTransformer
+from skafa.llm import register_model, unregister_model
+from skafa.llm import PromptTemplate, encode, plan
+from skafa.exceptions import PromptTooLongError
+from skafa.llm import decoder_layout
 from skafa.testing import (
     make_conversations,
     make_tiny_gemma,

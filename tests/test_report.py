@@ -18,7 +18,7 @@ from skafa import (
     Turn,
     TurnActivationTransformer,
 )
-from skafa.models import register_model, unregister_model
+from skafa.llm import register_model, unregister_model
 from skafa.report import (
     BLAMED_COLOUR,
     attribution_html,

@@ -1,4 +1,4 @@
-"""Tests for skafa.selection: SiteSelector and site_sweep."""
+"""Tests for skafa.model_selection._selection: SiteSelector and site_sweep."""
 
 import numpy as np
 import pytest
@@ -8,7 +8,7 @@ from sklearn.metrics import make_scorer
 from sklearn.model_selection import GridSearchCV, GroupKFold, KFold, cross_validate
 
 from skafa import GroupedArgmaxClassifier, GroupedArgmaxLogisticClassifier, TurnFeatures
-from skafa.selection import SiteEnsemble, SiteSelector, site_sweep
+from skafa.model_selection import SiteEnsemble, SiteSelector, site_sweep
 
 SITES = ("s0", "s1", "s2", "s3", "s4")
 

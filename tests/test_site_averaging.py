@@ -13,9 +13,9 @@ from skafa import (
     SiteSelector,
     TurnFeatures,
 )
-from skafa.composition import PerTurn, make_attribution_pipeline
+from skafa.compose import PerTurn, make_attribution_pipeline
 from skafa.persistence import load, save
-from skafa.utils._grouped import grouped_center
+from skafa.utils.grouped import grouped_center
 
 
 def spread(n, *, n_turns=5, n_sites=4, n_features=3, signal=1.0, signal_sites=None,
@@ -105,7 +105,7 @@ def test_top_k_follow_the_inner_cv_ranking_with_stable_ties():
     assert sel.best_estimator_.sites_ == sel.best_sites_
     assert sel.n_features_in_ == 3
     # ties: equal means keep the earlier site
-    from skafa.selection import _top_sites
+    from skafa.model_selection._selection import _top_sites
     assert _top_sites(("a", "b", "c"), np.array([0.5, 0.7, 0.7]),
                       np.array([False] * 3), 2) == ("b", "c")
     with pytest.warns(UserWarning, match="only 1 site"):

@@ -1,10 +1,10 @@
-"""Tests for skafa.sites: names, validation, decoder layouts."""
+"""Tests for skafa.llm._sites: names, validation, decoder layouts."""
 
 import numpy as np
 import pytest
 import torch
 
-from skafa.sites import (
+from skafa.llm import (
     all_sites,
     decoder_layout,
     parse_site,

@@ -1,4 +1,4 @@
-"""Tests for skafa.stacking.TurnScoreStacker."""
+"""Tests for skafa.model_selection.TurnScoreStacker."""
 
 import numpy as np
 import pytest

@@ -5,7 +5,8 @@ import pytest
 
 from skafa import TurnFeatures
 from skafa.testing import make_conversations
-from skafa.utils._validation import agents_at, mean_hits
+from skafa.features import agents_at
+from skafa.utils.validation import mean_hits
 
 
 def test_agents_at_turn_features_and_conversations_agree():

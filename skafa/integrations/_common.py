@@ -10,7 +10,8 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from ..conversation import Conversation, ConversationError
+from ..conversation import Conversation
+from ..exceptions import ConversationError
 
 __all__ = ["TraceConversation"]
 

@@ -78,7 +78,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "pip install \"skafa[ag2]\"."
     ) from exc
 
-from ..conversation import Conversation, ConversationError, Turn
+from ..conversation import Conversation, Turn
+from ..exceptions import ConversationError
 from ._common import TraceConversation, as_text
 
 __all__ = [

@@ -44,7 +44,8 @@ Any other type is refused (``on_unknown="error"``) or skipped with a warning
 
 from __future__ import annotations
 
-from ..conversation import ConversationError, Turn
+from ..conversation import Turn
+from ..exceptions import ConversationError
 from ._common import as_text, check_message_list, finish_conversation, get_field
 
 __all__ = ["conversation_from_autogen"]

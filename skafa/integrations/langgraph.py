@@ -42,7 +42,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..conversation import ConversationError, Turn
+from ..conversation import Turn
+from ..exceptions import ConversationError
 from ._common import (
     as_text,
     blocks_text,

@@ -57,7 +57,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 
-from ..conversation import Conversation, ConversationError, Turn
+from ..conversation import Conversation, Turn
+from ..exceptions import ConversationError
 from ._common import TraceConversation, as_text, blocks_text
 
 __all__ = ["conversation_from_otel_spans"]

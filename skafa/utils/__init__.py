@@ -9,6 +9,6 @@
 # Authors: The skafa developers
 # SPDX-License-Identifier: MIT
 
-from ._discovery import all_estimators
+from .discovery import all_estimators, public_estimator_paths, public_path
 
-__all__ = ["all_estimators"]
+__all__ = ["all_estimators", "public_estimator_paths", "public_path"]

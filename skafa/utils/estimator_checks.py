@@ -35,8 +35,8 @@ scikit-learn's API checks that feed no data (tags, ``repr``, ``get_params`` /
 :func:`parametrize_with_checks` is a pytest decorator over both, in the spirit of
 scikit-learn's and imbalanced-learn's decorators of the same name.
 :func:`estimator_instances` says how to build fittable instances of an
-estimator class: ``cls()`` unless the class defines a ``_check_instances``
-classmethod (a hook for classes with required parameters or that need a model).
+estimator class: ``cls()`` unless ``utils/_test_common/instance_generator.py`` has an
+entry (for classes with required parameters or that need a model).
 
 Examples
 --------
@@ -513,7 +513,7 @@ def check_empty_input_message(name, estimator):
 
 def check_pipeline_consistency(name, estimator):
     """The estimator alone and as the only step of an AttributionPipeline agree."""
-    from ..composition import make_attribution_pipeline
+    from ..compose import make_attribution_pipeline
 
     X, y = make_check_data(input_kind(estimator))
     est = _fitted(estimator, X, y)
@@ -646,9 +646,9 @@ RAGGED_CHECKS = (
 def estimator_instances(cls):
     """Fittable instances of an estimator class for the checks.
 
-    ``cls._check_instances()`` when the class defines that classmethod (classes
-    with required parameters, or that need a language model: they build one
-    from :mod:`skafa.testing`), else ``[cls()]``.
+    The entry of ``skafa.utils._test_common.instance_generator`` for classes with
+    required parameters, or that need a language model (built from
+    :mod:`skafa.testing`), else ``[cls()]``.
 
     Parameters
     ----------
@@ -658,18 +658,20 @@ def estimator_instances(cls):
     -------
     list of estimator
     """
-    hook = getattr(cls, "_check_instances", None)
-    return list(hook()) if hook is not None else [cls()]
+    from ._test_common.instance_generator import INSTANCE_FACTORIES
+
+    factory = INSTANCE_FACTORIES.get(cls.__name__)
+    return list(factory()) if factory is not None else [cls()]
 
 
 def _sklearn_api_checks(estimator):
     """scikit-learn's data-free API checks, run as they are."""
     from sklearn.utils import estimator_checks as sk
 
-    from ._sklearn_compat import _yield_api_checks
+    from .sklearn_compat import yield_api_checks
 
     yield sk.check_estimator_cloneable
-    for check in _yield_api_checks(estimator):
+    for check in yield_api_checks(estimator):
         if check.__name__ not in SKLEARN_ARRAY_CHECKS:
             yield check
     yield sk.check_parameters_default_constructible

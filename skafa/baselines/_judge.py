@@ -1,0 +1,872 @@
+"""Prompted judge: the behavioural baseline on the same local model and prompt as the probes.
+
+:class:`PromptedJudge` asks the language model itself which step holds the
+decisive error, using exactly the prompt that the probes read activations from
+(:class:`~skafa.llm.PromptTemplate`), followed by the start of an assistant
+answer (``answer_prefix``, e.g. ``"The decisive error is at step "``). It is
+zero-shot: ``fit`` loads the model and validates the input but learns nothing
+from the labels, so any difference between the judge and a probe trained on the
+same model's activations is what the probe *learned* to read.
+
+Two modes:
+
+``"logprob"`` (default)
+    Deterministic, no parsing. Every step ``i`` of a conversation is a
+    candidate answer; its score is the log-probability that the model writes
+    exactly the number ``i`` after the answer prefix (see
+    :class:`PromptedJudge` for the exact definition and why the number must
+    *end* there). The prediction is the argmax. All candidates are scored with
+    one forward pass over the shared prompt plus one packed pass over all
+    candidates' tokens, which reuses the prompt's key/value cache.
+``"generate"``
+    Greedy generation of up to ``max_new_tokens`` tokens after the answer
+    prefix; the first integer in the generated text is the answer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+import os
+import re
+import time
+
+import numpy as np
+from sklearn.base import BaseEstimator
+from sklearn.utils import Bunch
+from sklearn.utils.validation import check_is_fitted
+
+from ..conversation import check_conversations
+from ..llm import (
+    ModelHandle,
+    PromptTemplate,
+    banded_sliding_window_attention,
+    has_sliding_window,
+    verify_saved_model,
+)
+from ..persistence import PersistenceMixin
+from ..utils.sklearn_compat import Interval, StrOptions, fit_context
+from ..utils.validation import (
+    check_steps,
+    describe_conversation,
+    labels_from_conversations,
+)
+
+__all__ = ["PromptedJudge"]
+
+_MODES = ("logprob", "generate")
+_INT_RE = re.compile(r"-?[0-9]+")  # ASCII digits only, as for mistake_step
+_ASCII_DIGITS = frozenset("0123456789")
+
+
+# ----------------------------------------------------------------------------- helpers
+def _check_steps(y, convs):
+    """Validate step labels against the conversations; None -> their mistake_step."""
+    if y is None:
+        return labels_from_conversations(convs, "PromptedJudge")
+    return check_steps(y, convs)
+
+
+def _softmax(scores):
+    scores = np.asarray(scores, dtype=np.float64)
+    finite = np.isfinite(scores)
+    if not finite.any():
+        return np.full(scores.shape, 1.0 / scores.size)
+    z = np.where(finite, scores - scores[finite].max(), -np.inf)
+    e = np.exp(z)
+    return e / e.sum()
+
+
+def _common_prefix_length(seqs):
+    first = seqs[0]
+    n = min(len(s) for s in seqs)
+    k = 0
+    while k < n and all(s[k] == first[k] for s in seqs[1:]):
+        k += 1
+    return k
+
+
+def answer_token_plan(tokenizer, answer_prefix, n_steps):
+    """Split the candidate answers into shared tokens and per-candidate continuations.
+
+    Each candidate answer ``answer_prefix + str(i)`` (``i = 0..n_steps-1``) is
+    tokenized as a whole (no special tokens), so a tokenizer that merges the
+    prefix's trailing space with the number (``" 12"``) is treated naturally.
+    The longest token prefix common to every candidate becomes part of the
+    prompt; the rest of each candidate is what is scored. The common part is
+    capped so every candidate keeps at least one token.
+
+    Parameters
+    ----------
+    tokenizer : transformers tokenizer
+        The model's tokenizer.
+    answer_prefix : str
+        Text the assistant answer starts with.
+    n_steps : int
+        Number of candidate steps (the conversation's number of turns).
+
+    Returns
+    -------
+    shared : list of int
+        Token ids common to all candidates (appended to the prompt).
+    continuations : list of list of int
+        Token ids of each candidate after ``shared``; never empty.
+    """
+    texts = [f"{answer_prefix}{i}" for i in range(n_steps)]
+    seqs = [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    k = min(_common_prefix_length(seqs), min(len(s) for s in seqs) - 1)
+    return seqs[0][:k], [s[k:] for s in seqs]
+
+
+def number_continuation_mask(tokenizer, vocab_size):
+    """Boolean mask of the token ids whose text starts with an ASCII digit.
+
+    After the digits of a candidate number, any such token would make the
+    number longer ("1" -> "12"); every other token (punctuation, space, end of
+    turn, ...) ends it. Ids beyond the tokenizer's vocabulary (padding rows of
+    the LM head) count as ending the number.
+
+    Parameters
+    ----------
+    tokenizer : transformers tokenizer
+    vocab_size : int
+        Number of logits the model produces.
+
+    Returns
+    -------
+    mask : ndarray of bool, shape (vocab_size,)
+    """
+    n = min(len(tokenizer), int(vocab_size))
+    tokens = tokenizer.convert_ids_to_tokens(list(range(n)))
+    mask = np.zeros(int(vocab_size), dtype=bool)
+    for i, tok in enumerate(tokens):
+        if tok and tok[0] in _ASCII_DIGITS:
+            mask[i] = True
+    return mask
+
+
+def _cache_kwarg(model):
+    """Name of the forward argument that takes a KV cache (transformers 4.x vs 5.x)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _output_cache(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+def _left_pad(seqs, pad_id):
+    """Left-pad int sequences; return ids, 2-D mask, position ids (torch)."""
+    import torch
+
+    lengths = [len(s) for s in seqs]
+    L = max(lengths)
+    ids = torch.full((len(seqs), L), int(pad_id), dtype=torch.long)
+    mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, L - len(s):] = torch.as_tensor(np.asarray(s, dtype=np.int64))
+        mask[b, L - len(s):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, positions, lengths
+
+
+def _prefix_forward(model, seqs, pad_id, device):
+    """One forward over left-padded prefixes; return last logits, cache and layout."""
+    import torch
+
+    ids, mask, positions, lengths = _left_pad(seqs, pad_id)
+    with torch.inference_mode():
+        out = model(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device) if min(lengths) != max(lengths) else None,
+            position_ids=positions.to(device),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    return out.logits[:, -1, :].float(), _output_cache(out), mask, lengths
+
+
+def _candidate_logprob(first_logp, logp, end_logp, toks):
+    """Score of one candidate: its tokens' log-probabilities plus the number's end.
+
+    ``first_logp`` is the log-distribution after the prefix, ``logp[j]`` the one
+    after the candidate's token ``j`` (``j < m - 1``) and ``end_logp`` the
+    log-probability that no digit follows the last token.
+    """
+    import torch
+
+    total = first_logp[toks[0]]
+    if len(toks) > 1:
+        tgt = torch.as_tensor(toks[1:], dtype=torch.long, device=logp.device)
+        total = total + logp[: len(toks) - 1].gather(-1, tgt[:, None]).sum()
+    return float(total + end_logp)
+
+
+def _end_of_number_logp(logits, number_mask):
+    """log P(the next token does not start with a digit), per row of ``logits``."""
+    import torch
+
+    ends = torch.as_tensor(~np.asarray(number_mask, dtype=bool), device=logits.device)
+    return torch.logsumexp(logits[..., ends], dim=-1) - torch.logsumexp(logits, -1)
+
+
+def _score_candidates_one_by_one(model, prefixes, continuations, number_mask, pad_id,
+                                 device):
+    """:func:`score_candidates` for sliding-window models: one prefix, one candidate
+    at a time, each candidate continuing its own copy of the prefix's cache."""
+    import copy
+
+    import torch
+
+    scores = []
+    for prefix, conts in zip(prefixes, continuations):
+        first_logits, cache, _, lengths = _prefix_forward(model, [prefix], pad_id, device)
+        first_logp = torch.log_softmax(first_logits[0], dim=-1)
+        row = np.empty(len(conts), dtype=np.float64)
+        for c, toks in enumerate(conts):
+            m = len(toks)
+            with torch.inference_mode():
+                out = model(
+                    input_ids=torch.as_tensor([list(toks)], dtype=torch.long, device=device),
+                    position_ids=(lengths[0] + torch.arange(m, device=device))[None],
+                    use_cache=True,
+                    logits_to_keep=0,
+                    **{_cache_kwarg(model): copy.deepcopy(cache)},
+                )
+            logits = out.logits[0].float()
+            row[c] = _candidate_logprob(first_logp, torch.log_softmax(logits, dim=-1),
+                                        _end_of_number_logp(logits[m - 1], number_mask), toks)
+        scores.append(row)
+    return scores
+
+
+def score_candidates(model, prefixes, continuations, number_mask, *, pad_id=0):
+    """Log-probability of every candidate continuation, reusing the prefix KV cache.
+
+    For each sequence ``b`` in the batch, runs one forward pass over
+    ``prefixes[b]`` (left-padded with the others, ``use_cache=True``), then one
+    forward pass over all candidates of all sequences packed side by side,
+    attending to the cached prefix through a custom 4-D mask: a candidate token
+    sees its own prefix and the earlier tokens of its own candidate only, and
+    its position id continues its prefix's. The score of a candidate with tokens
+    ``t_0..t_{m-1}`` is ``sum_j log p(t_j | prefix, t_<j) + log P(next token
+    does not start with a digit | prefix, t_0..t_{m-1})``.
+
+    A model with sliding-window attention layers (Gemma-2, Gemma-3, Mistral)
+    keeps only the last window of keys in those layers' cache, and a custom mask
+    cannot express the window, so there each sequence's prefix runs alone and
+    each candidate continues a copy of that prefix's cache through the model's
+    own masking: the same scores, one small forward pass per candidate.
+
+    Parameters
+    ----------
+    model : transformers causal LM
+        In eval mode; its attention implementation must accept an additive 4-D
+        float mask (eager and sdpa do).
+    prefixes : list of sequence of int
+        Token ids of each prompt (shared by its candidates).
+    continuations : list of list of list of int
+        ``continuations[b][c]`` are the (non-empty) token ids of candidate ``c``.
+    number_mask : ndarray of bool, shape (vocab_size,)
+        :func:`number_continuation_mask` of the tokenizer.
+    pad_id : int, default=0
+        Token id used for padding (never attended to).
+
+    Returns
+    -------
+    scores : list of ndarray of float64
+        ``scores[b][c]`` is the log-probability of candidate ``c``.
+    """
+    import torch
+
+    device = next(model.parameters()).device
+    if has_sliding_window(model):
+        with banded_sliding_window_attention(model):
+            return _score_candidates_one_by_one(model, prefixes, continuations, number_mask,
+                                                pad_id, device)
+    first_logits, cache, mask2d, lengths = _prefix_forward(model, prefixes, pad_id, device)
+    B, L = mask2d.shape
+    first_logp = torch.log_softmax(first_logits, dim=-1)
+
+    # Pack every candidate of sequence b into one row.
+    starts = []
+    Q = 1
+    for conts in continuations:
+        offs = np.concatenate([[0], np.cumsum([len(c) for c in conts])]).astype(int)
+        starts.append(offs)
+        Q = max(Q, int(offs[-1]))
+    ids = torch.full((B, Q), int(pad_id), dtype=torch.long)
+    positions = torch.zeros((B, Q), dtype=torch.long)
+    allowed = torch.zeros((B, Q, L + Q), dtype=torch.bool)
+    allowed[:, :, :L] = mask2d[:, None, :].bool()
+    for b, conts in enumerate(continuations):
+        offs = starts[b]
+        for c, toks in enumerate(conts):
+            s, m = int(offs[c]), len(toks)
+            ids[b, s:s + m] = torch.as_tensor(toks, dtype=torch.long)
+            positions[b, s:s + m] = lengths[b] + torch.arange(m)
+            allowed[b, s:s + m, L + s:L + s + m] = torch.ones(m, m, dtype=torch.bool).tril()
+        used = int(offs[-1])
+        if used < Q:  # padding queries: let them see themselves only (no NaN rows)
+            q = torch.arange(used, Q)
+            allowed[b, q, :] = False
+            allowed[b, q, L + q] = True
+            positions[b, used:] = lengths[b]
+    dtype = next(model.parameters()).dtype
+    additive = torch.zeros(allowed.shape, dtype=dtype)
+    additive.masked_fill_(~allowed, torch.finfo(dtype).min)
+    with torch.inference_mode():
+        out = model(
+            input_ids=ids.to(device),
+            attention_mask=additive[:, None].to(device),
+            position_ids=positions.to(device),
+            use_cache=True,
+            logits_to_keep=0,
+            **{_cache_kwarg(model): cache},
+        )
+    logits = out.logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    end_logp = _end_of_number_logp(logits, number_mask)
+
+    scores = []
+    for b, conts in enumerate(continuations):
+        offs = starts[b]
+        row = np.empty(len(conts), dtype=np.float64)
+        for c, toks in enumerate(conts):
+            s, m = int(offs[c]), len(toks)
+            row[c] = _candidate_logprob(first_logp[b], logp[b, s:s + m - 1],
+                                        end_logp[b, s + m - 1], toks)
+        scores.append(row)
+    return scores
+
+
+def greedy_generate(model, prefixes, max_new_tokens, *, pad_id=0, eos_ids=()):
+    """Greedy decoding of up to ``max_new_tokens`` tokens after each prefix.
+
+    Parameters
+    ----------
+    model : transformers causal LM
+    prefixes : list of sequence of int
+        Prompt token ids (left-padded together).
+    max_new_tokens : int
+    pad_id : int, default=0
+    eos_ids : iterable of int
+        A row stops after producing one of these.
+
+    Returns
+    -------
+    generated : list of list of int
+        New token ids per prefix (including a final eos token if one was produced).
+    """
+    import torch
+
+    device = next(model.parameters()).device
+    eos = set(int(e) for e in eos_ids)
+    with banded_sliding_window_attention(model):
+        logits, cache, mask2d, lengths = _prefix_forward(model, prefixes, pad_id, device)
+    B = len(prefixes)
+    out_ids = [[] for _ in range(B)]
+    done = [False] * B
+    mask = mask2d.clone()
+    pos = torch.as_tensor(lengths, dtype=torch.long)
+    padded = min(lengths) != max(lengths)
+    for step in range(int(max_new_tokens)):
+        nxt = logits.argmax(-1).cpu()
+        for b in range(B):
+            if not done[b]:
+                tok = int(nxt[b])
+                out_ids[b].append(tok)
+                done[b] = tok in eos
+        if all(done) or step == max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype)], dim=1)
+        with torch.inference_mode():
+            out = model(
+                input_ids=nxt[:, None].to(device),
+                attention_mask=mask.to(device) if padded else None,
+                position_ids=pos[:, None].to(device),
+                use_cache=True,
+                logits_to_keep=1,
+                **{_cache_kwarg(model): cache},
+            )
+        logits, cache = out.logits[:, -1, :].float(), _output_cache(out)
+        pos = pos + 1
+    return out_ids
+
+
+def parse_step(text, n_steps):
+    """Parse the first integer of ``text`` as a step in ``0..n_steps-1``.
+
+    Parameters
+    ----------
+    text : str
+        Generated text.
+    n_steps : int
+        Number of steps of the conversation.
+
+    Returns
+    -------
+    value : int or None
+        The first integer (``-?[0-9]+``, ASCII digits only) found, or None when
+        there is none. An integer of more than 18 digits is no step of any
+        conversation: ``(None, False)`` (Python refuses to parse very long ones).
+    ok : bool
+        True when an integer was found and lies in ``0..n_steps-1``.
+    """
+    match = _INT_RE.search(text)
+    if match is None or len(match.group().lstrip("-")) > 18:
+        return None, False
+    value = int(match.group())
+    return value, 0 <= value < n_steps
+
+
+# ----------------------------------------------------------------------------- estimator
+class PromptedJudge(PersistenceMixin, BaseEstimator):
+    """Zero-shot LLM judge of the decisive step, on the probes' model and prompt.
+
+    The judge renders each conversation with the same
+    :class:`~skafa.llm.PromptTemplate` the probes read activations from (its
+    closing instruction asks which step holds the decisive error), starts the
+    assistant's answer with ``answer_prefix`` and lets the model answer.
+
+    In ``mode="logprob"`` (default) the score of step ``i`` is the
+    log-probability that the answer continues with exactly the number ``i``::
+
+        score(i) = log p(tokens of str(i) | prompt + answer_prefix)
+                   + log P(next token does not start with a digit | ... str(i))
+
+    The second term is the *terminator*: without it "1" would beat "12" merely
+    because it is a prefix of it (p("1") >= p("1", "2") always). Requiring the
+    number to end — any token that does not start with an ASCII digit (".",
+    a space, a newline, the end-of-turn token, ...) — compares every number
+    as a complete answer, and sums over all ways of ending it instead of
+    betting on one terminator such as ".". ``answer_prefix + str(i)`` is
+    tokenized as a whole, and tokens common to all candidates are moved into the
+    prompt (so a tokenizer that merges the trailing space with the number, like
+    GPT-2's ``" 12"``, is scored on its natural tokens). The prediction is the
+    argmax (ties go to the earliest step). Cost: one forward pass over the
+    prompt with ``use_cache=True``, then one packed pass over all candidates'
+    tokens (about ``n_steps * n_digits`` tokens for the whole conversation)
+    attending to the cached prompt through a custom 4-D mask, so the judge costs
+    about one forward pass over the prompt (one forward pass per candidate would
+    cost ``n_steps`` of them).
+
+    In ``mode="generate"`` the model greedily writes up to ``max_new_tokens``
+    tokens after ``answer_prefix``; the first integer (``-?[0-9]+``) in that text is
+    its answer. A missing or out-of-range integer is a *parse failure*: the
+    prediction then falls back to step 0 (the first turn), and
+    :meth:`generate_report` flags it.
+
+    The estimator learns nothing from labels: ``fit`` validates ``X``, loads
+    the model and records its identity and context length.
+
+    Parameters
+    ----------
+    model : str, default="smollm2"
+        Name or path understood by :func:`skafa.llm.load_model` (a registered
+        name such as ``"smollm2"``, or a local model directory / GGUF file). The
+        model is loaded lazily through a process-level cache, so ``clone`` and
+        pickling copy only this string, never weights.
+    prompt : PromptTemplate or None, default=None
+        How conversations become a prompt; ``None`` means ``PromptTemplate()``,
+        the probes' default.
+    chat_template_kwargs : dict or None, default=None
+        Extra variables for the tokenizer's chat template (e.g. a pinned date).
+    answer_prefix : str, default="Step: "
+        Start of the assistant's answer, placed after the generation prompt.
+    mode : {"logprob", "generate"}, default="logprob"
+        How the model's answer is read (see above).
+    max_new_tokens : int, default=8
+        Generation budget in ``mode="generate"`` and :meth:`generate_report`.
+    device : str, default="cpu"
+        Torch device to load the model on.
+    dtype : str, default="float32"
+        Torch dtype to load the model in.
+    batch_size : int, default=1
+        Number of conversations per forward pass (left-padded together;
+        conversations are sorted by length first to reduce padding).
+    verbose : int, default=0
+        Print one progress line per batch when > 0.
+
+    Attributes
+    ----------
+    prompt_ : PromptTemplate
+        The template used.
+    context_length_ : int
+        Maximum number of tokens the model accepts.
+    model_identity_ : dict
+        What the ``model`` string refers to (:func:`skafa.llm.model_identity`).
+    model_fingerprint_ : dict
+        Architecture of the loaded model (:func:`skafa.llm.model_fingerprint`);
+        checked again before every prediction.
+    n_conversations_fit_ : int
+        Number of conversations seen by ``fit`` (nothing is learned from them).
+
+    See Also
+    --------
+    skafa.llm.PromptTemplate : The prompt shared with the probes.
+
+    Notes
+    -----
+    The default :class:`~skafa.llm.PromptTemplate` asks for an answer of the
+    form ``'Step: <number>, Agent: <name>'``; the terminator above counts the
+    ``","`` after the number like any other non-digit, so the scores do not
+    depend on which punctuation the model prefers. In ``"generate"`` mode
+    ``answer_prefix`` is tokenized on its own (a trailing space may be a token of
+    its own). The packed pass needs an attention implementation that accepts an
+    additive 4-D mask (``"eager"`` and ``"sdpa"`` do; flash-attention does not).
+
+    The judge is a conversation-level estimator: one sample is one
+    :class:`~skafa.conversation.Conversation`. Per-turn scores are returned by
+    :meth:`turn_decision_function` / :meth:`turn_predict_proba` as lists of 1-D
+    arrays (it deliberately has no ``decision_function`` / ``predict_proba``).
+    It is not a ``ClassifierMixin``, so an integer ``cv`` picks ``KFold``.
+
+    Examples
+    --------
+    >>> from skafa.baselines import PromptedJudge
+    >>> judge = PromptedJudge("smollm2")                       # doctest: +SKIP
+    >>> judge.fit(conversations).predict(conversations)        # doctest: +SKIP
+    array([3, 0, 5, ...])
+    """
+
+    _parameter_constraints: dict = {
+        "model": "no_validation",  # checked in fit, with a hint on registering models
+        "prompt": [PromptTemplate, None],
+        "chat_template_kwargs": [dict, None],
+        "answer_prefix": [str],
+        "mode": [StrOptions(set(_MODES))],
+        "max_new_tokens": [Interval(numbers.Integral, 1, None, closed="left")],
+        "device": [str],
+        "dtype": [str],
+        "batch_size": [Interval(numbers.Integral, 1, None, closed="left")],
+        "verbose": ["verbose"],
+    }
+
+    # skafa.persistence: load(model=, device=) replace those parameters; the judge is
+    # summarised in skafa.json and its model checked on load.
+    _load_overrides = frozenset({"model", "device"})
+    _reads_model = True
+
+    def _restore_after_load(self, context):
+        """Check the model this judge will use (see skafa.persistence)."""
+        if hasattr(self, "model_fingerprint_"):
+            verify_saved_model(self, context)
+
+    def __init__(
+        self,
+        model="smollm2",
+        *,
+        prompt=None,
+        chat_template_kwargs=None,
+        answer_prefix="Step: ",
+        mode="logprob",
+        max_new_tokens=8,
+        device="cpu",
+        dtype="float32",
+        batch_size=1,
+        verbose=0,
+    ):
+        self.model = model
+        self.prompt = prompt
+        self.chat_template_kwargs = chat_template_kwargs
+        self.answer_prefix = answer_prefix
+        self.mode = mode
+        self.max_new_tokens = max_new_tokens
+        self.device = device
+        self.dtype = dtype
+        self.batch_size = batch_size
+        self.verbose = verbose
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        # Conversation-level, zero-shot: X is a list of Conversation, y is optional.
+        tags.estimator_type = None
+        tags.input_tags.two_d_array = False
+        tags.target_tags.required = False
+        tags.non_deterministic = False
+        return tags
+
+    # ------------------------------------------------------------------ plumbing
+    def _check_model(self):
+        if not isinstance(self.model, (str, os.PathLike, ModelHandle)) or not str(self.model):
+            raise TypeError(
+                "model must be a model name or path (str) loaded through "
+                f"skafa.llm.load_model, got {type(self.model).__name__}. To use a model "
+                "object, register it with skafa.llm.register_model and pass its name."
+            )
+
+    def _resolve_prompt(self):
+        return PromptTemplate() if self.prompt is None else self.prompt
+
+    def _load(self):
+        from ..llm import load_model
+
+        return load_model(self.model, device=self.device, dtype=self.dtype)
+
+    # ------------------------------------------------------------------ fit
+    @fit_context(prefer_skip_nested_validation=True)
+    def fit(self, X, y=None, groups=None):
+        """Validate the conversations and load the model. Learns nothing from ``y``.
+
+        Parameters
+        ----------
+        X : list of Conversation
+            Conversations (only validated; the judge is zero-shot).
+        y : array-like of int, shape (n_conversations,), default=None
+            Ignored apart from validation (checked against ``X`` when given).
+        groups : array-like, default=None
+            Ignored; accepted for API compatibility with grouped splitters.
+
+        Returns
+        -------
+        self : PromptedJudge
+            The fitted judge.
+        """
+        self._check_model()
+        convs = check_conversations(X, "PromptedJudge")
+        if y is not None:
+            _check_steps(y, convs)
+        self.prompt_ = self._resolve_prompt()
+        from ..llm import context_length, model_fingerprint, model_identity
+
+        lm, _ = self._load()
+        self.context_length_ = int(context_length(lm))
+        self.model_identity_ = model_identity(self.model)
+        self.model_fingerprint_ = model_fingerprint(lm)
+        self.n_conversations_fit_ = len(convs)
+        return self
+
+    # ------------------------------------------------------------------ encoding
+    def _encode(self, index, conv, tokenizer, extra_tokens, what):
+        """Encode one conversation; refuse it (naming it) when it cannot fit."""
+        from ..exceptions import PromptTooLongError
+        from ..llm import check_fits
+
+        enc = self.prompt_.encode(conv, tokenizer, chat_template_kwargs=self.chat_template_kwargs,
+                                  index=index)
+        check_fits(enc, self.context_length_, index, conv)
+        if enc.n_tokens + extra_tokens > self.context_length_:
+            budget = self.context_length_ - extra_tokens
+            raise PromptTooLongError(
+                f"{describe_conversation(index, task_id=conv.task_id, record_id=conv.record_id)} has {enc.n_tokens} prompt tokens; with the "
+                f"judge's {extra_tokens} answer tokens ({what}) that is more than the "
+                f"model's context length of {self.context_length_}. Shorten it with "
+                f"PromptTemplate(shorten='middle_first', max_prompt_tokens={budget}) or "
+                "shorten='head_tail', or drop the conversation.",
+                n_tokens=enc.n_tokens + extra_tokens, max_tokens=self.context_length_)
+        return enc
+
+    def _load_checked(self):
+        """Load the model and check it is the one the judge was fitted with."""
+        from ..llm import model_fingerprint
+
+        lm, tokenizer = self._load()
+        if model_fingerprint(lm) != self.model_fingerprint_:
+            raise RuntimeError(
+                f"The model {self.model!r} loaded now differs from the one this judge was "
+                "fitted with (architecture fingerprint changed); refit it."
+            )
+        return lm, tokenizer
+
+    def _pad_id(self, tokenizer):
+        for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+            if tid is not None:
+                return int(tid)
+        return 0
+
+    def _batches(self, lengths):
+        order = np.argsort(np.asarray(lengths), kind="stable")
+        bs = int(self.batch_size)
+        return [order[i:i + bs] for i in range(0, len(order), bs)]
+
+    def _log(self, start, done, total, batch, convs, n_tokens):
+        if self.verbose > 0:
+            ids = ", ".join(str(convs[i].record_id or i) for i in batch)
+            print(
+                f"[PromptedJudge] {done}/{total} conversations ({ids}): "
+                f"{max(n_tokens)} tokens, {time.perf_counter() - start:.2f} s",
+                flush=True,
+            )
+
+    # ------------------------------------------------------------------ logprob mode
+    def _logprob_scores(self, convs):
+        lm, tokenizer = self._load_checked()
+        vocab = int(lm.get_output_embeddings().weight.shape[0])
+        number_mask = number_continuation_mask(tokenizer, vocab)
+        prefixes, conts = [], []
+        for i, conv in enumerate(convs):
+            shared, cont = answer_token_plan(tokenizer, self.answer_prefix, len(conv))
+            extra = len(shared) + max(len(c) for c in cont)
+            enc = self._encode(i, conv, tokenizer, extra,
+                               "answer prefix and the longest step number")
+            prefixes.append(np.concatenate([np.asarray(enc.input_ids, dtype=np.int64),
+                                            np.asarray(shared, dtype=np.int64)]))
+            conts.append(cont)
+        scores = [None] * len(convs)
+        pad = self._pad_id(tokenizer)
+        start, done = time.perf_counter(), 0
+        for batch in self._batches([len(p) for p in prefixes]):
+            out = score_candidates(lm, [prefixes[i] for i in batch],
+                                   [conts[i] for i in batch], number_mask, pad_id=pad)
+            for i, s in zip(batch, out):
+                scores[i] = s
+            done += len(batch)
+            self._log(start, done, len(convs), batch, convs, [len(prefixes[i]) for i in batch])
+        return scores
+
+    # ------------------------------------------------------------------ generate mode
+    def generate_report(self, X):
+        """Greedy-generate each conversation's answer and parse it (any ``mode``).
+
+        Parameters
+        ----------
+        X : list of Conversation
+            Conversations to judge.
+
+        Returns
+        -------
+        report : Bunch
+            ``predictions`` (int ndarray, parsed step or 0 on failure),
+            ``parsed`` (object ndarray: the first integer found, or None),
+            ``parse_failed`` (bool ndarray: no integer or out of range),
+            ``texts`` (list of str: the generated text after ``answer_prefix``),
+            ``parse_failure_rate`` (float).
+        """
+        check_is_fitted(self)
+        convs = check_conversations(X, "PromptedJudge")
+        lm, tokenizer = self._load_checked()
+        prefix_ids = list(tokenizer(self.answer_prefix, add_special_tokens=False)["input_ids"])
+        extra = len(prefix_ids) + int(self.max_new_tokens)
+        prefixes = []
+        for i, conv in enumerate(convs):
+            enc = self._encode(i, conv, tokenizer, extra,
+                               "answer prefix and max_new_tokens")
+            prefixes.append(np.concatenate([np.asarray(enc.input_ids, dtype=np.int64),
+                                            np.asarray(prefix_ids, dtype=np.int64)]))
+        eos = set()
+        for tid in (tokenizer.eos_token_id, getattr(lm.config, "eos_token_id", None)):
+            if isinstance(tid, (list, tuple)):
+                eos.update(int(t) for t in tid)
+            elif tid is not None:
+                eos.add(int(tid))
+        pad = self._pad_id(tokenizer)
+        texts = [None] * len(convs)
+        start, done = time.perf_counter(), 0
+        for batch in self._batches([len(p) for p in prefixes]):
+            gen = greedy_generate(lm, [prefixes[i] for i in batch], self.max_new_tokens,
+                                  pad_id=pad, eos_ids=eos)
+            for i, ids in zip(batch, gen):
+                texts[i] = tokenizer.decode(ids, skip_special_tokens=True)
+            done += len(batch)
+            self._log(start, done, len(convs), batch, convs, [len(prefixes[i]) for i in batch])
+        parsed = np.empty(len(convs), dtype=object)
+        failed = np.zeros(len(convs), dtype=bool)
+        preds = np.zeros(len(convs), dtype=np.int64)
+        for i, (text, conv) in enumerate(zip(texts, convs)):
+            value, ok = parse_step(text, len(conv))
+            parsed[i] = value
+            failed[i] = not ok
+            preds[i] = value if ok else 0
+        return Bunch(predictions=preds, parsed=parsed, parse_failed=failed, texts=texts,
+                     parse_failure_rate=float(failed.mean()))
+
+    # ------------------------------------------------------------------ prediction API
+    def turn_decision_function(self, X):
+        """Per-turn scores of each conversation.
+
+        Parameters
+        ----------
+        X : list of Conversation
+
+        Returns
+        -------
+        scores : list of ndarray of float64
+            One array of length ``len(X[i])`` per conversation. In ``"logprob"``
+            mode, the log-probability that the answer is that step's number. In
+            ``"generate"`` mode, 1.0 at the predicted step and 0.0 elsewhere.
+        """
+        check_is_fitted(self)
+        convs = check_conversations(X, "PromptedJudge")
+        if self.mode == "logprob":
+            return self._logprob_scores(convs)
+        preds = self.generate_report(convs).predictions
+        out = []
+        for conv, p in zip(convs, preds):
+            row = np.zeros(len(conv), dtype=np.float64)
+            row[p] = 1.0
+            out.append(row)
+        return out
+
+    def turn_predict_proba(self, X):
+        """Per-turn probabilities of being the decisive step.
+
+        Parameters
+        ----------
+        X : list of Conversation
+
+        Returns
+        -------
+        proba : list of ndarray of float64
+            One array per conversation summing to 1. In ``"logprob"`` mode the
+            softmax of :meth:`turn_decision_function` (the model's distribution
+            over answers, renormalised to the valid steps); in ``"generate"``
+            mode one-hot on the prediction.
+        """
+        scores = self.turn_decision_function(X)
+        if self.mode == "logprob":
+            return [_softmax(s) for s in scores]
+        return scores
+
+    def predict(self, X):
+        """Decisive step of each conversation.
+
+        Parameters
+        ----------
+        X : list of Conversation
+
+        Returns
+        -------
+        steps : ndarray of int64, shape (n_conversations,)
+            ``"logprob"``: argmax of the scores (earliest on ties).
+            ``"generate"``: the parsed step, or 0 on a parse failure.
+        """
+        check_is_fitted(self)
+        convs = check_conversations(X, "PromptedJudge")
+        if self.mode == "generate":
+            return self.generate_report(convs).predictions
+        return np.array([int(np.argmax(s)) for s in self._logprob_scores(convs)],
+                        dtype=np.int64)
+
+    def predict_agent(self, X):
+        """Speaker of the predicted decisive turn of each conversation.
+
+        Parameters
+        ----------
+        X : list of Conversation
+
+        Returns
+        -------
+        agents : ndarray of object, shape (n_conversations,)
+        """
+        convs = check_conversations(X, "PromptedJudge")
+        steps = self.predict(convs)
+        return np.array([c.turns[s].speaker for c, s in zip(convs, steps)], dtype=object)
+
+    def score(self, X, y=None):
+        """Step accuracy: fraction of conversations whose decisive step is predicted.
+
+        Parameters
+        ----------
+        X : list of Conversation
+        y : array-like of int, default=None
+            True decisive steps; ``None`` uses each conversation's ``mistake_step``.
+
+        Returns
+        -------
+        score : float
+        """
+        convs = check_conversations(X, "PromptedJudge")
+        y = _check_steps(y, convs)
+        return float(np.mean(self.predict(convs) == y))

@@ -1,0 +1,2 @@
+"""Test scaffolding for skafa's own estimator checks (not imported by production code)."""
+__all__ = []
