@@ -21,32 +21,16 @@ import json
 import sys
 from pathlib import Path
 
+from skafa.model_selection import tally_rule
+
 
 def apply_rule(paths):
-    """Return ``{"winner", "tally", "complete", "left_out"}`` for the given result files."""
-    tally, order, complete, left_out = {}, None, [], []
-    for path in map(Path, paths):
-        result = json.loads(path.read_text())
-        if not result.get("preregistered"):
-            raise SystemExit(f"{path} is not a --preregistered result.")
-        cell = f"{result.get('tag')} / {result.get('subset')}"
-        if result.get("subset") != "Algorithm-Generated":
-            left_out.append((cell, "not Algorithm-Generated"))
-            continue
-        deviations = result.get("choice_deviations", result.get("deviations"))
-        if deviations:
-            left_out.append((cell, "; ".join(deviations)))
-            continue
-        if order is not None and result["order"] != order:
-            raise SystemExit(f"{path}: its configuration order differs from the others'.")
-        order = result["order"]
-        complete.append(cell)
-        for name, count in result["auto_choices"].items():
-            tally[name] = tally.get(name, 0) + int(count)
-    winner = None
-    if tally:
-        winner = max(tally, key=lambda n: (tally[n], -order.index(n)))
-    return {"winner": winner, "tally": tally, "complete": complete, "left_out": left_out}
+    """Return ``{"winner", "tally", "complete", "left_out"}`` for the given result files
+    (:func:`skafa.model_selection.tally_rule`, rule step 2, over their contents)."""
+    try:
+        return tally_rule([(path, json.loads(Path(path).read_text())) for path in paths])
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def main(argv=None):

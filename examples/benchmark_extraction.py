@@ -351,8 +351,7 @@ def _peer_memory_child(args):
     """Fresh process: load, build one method, reset the peak, run the longest record once."""
     import torch
 
-    from skafa.llm import load_model
-    from skafa.llm import PromptTemplate
+    from skafa.llm import PromptTemplate, load_model
 
     model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
     conv = _record(args.record)
@@ -398,8 +397,7 @@ def run_peers(args):
     import numpy as np
     import torch
 
-    from skafa.llm import load_model
-    from skafa.llm import PromptTemplate
+    from skafa.llm import PromptTemplate, load_model
 
     started = datetime.datetime.now()
     load0 = os.getloadavg()
@@ -533,11 +531,8 @@ def run_device(args):
     import numpy as np
     import torch
 
-    from skafa.llm import TurnActivationTransformer
+    from skafa.llm import PromptTemplate, TurnActivationTransformer, decoder_layout, load_model
     from skafa.llm._extraction import _auto_batches, _batches
-    from skafa.llm import load_model
-    from skafa.llm import PromptTemplate
-    from skafa.llm import decoder_layout
 
     started = datetime.datetime.now()
     cuda = torch.device(args.device).type == "cuda"
@@ -685,13 +680,11 @@ def main():
     if args.device_run:
         return run_device(args)
 
-    from skafa.llm import TurnActivationTransformer, extract_activations
-    from skafa.llm import all_sites
+    from skafa.llm import TurnActivationTransformer, all_sites, extract_activations
 
     started = datetime.datetime.now()
     load0 = os.getloadavg()
-    from skafa.llm import load_model
-    from skafa.llm import PromptTemplate
+    from skafa.llm import PromptTemplate, load_model
 
     t0 = time.perf_counter()
 

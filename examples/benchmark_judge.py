@@ -19,10 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from skafa.conversation import Conversation
 from skafa.baselines._judge import answer_token_plan, number_continuation_mask, score_candidates
-from skafa.llm import load_model
-from skafa.llm import PromptTemplate
+from skafa.conversation import Conversation
+from skafa.llm import PromptTemplate, load_model
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -26,7 +26,6 @@ import sys
 import time
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "who_and_when"
 
@@ -43,10 +42,7 @@ def main(argv=None):
     import torch
 
     import skafa
-    from skafa.llm import extract_activations
-    from skafa.llm import load_model
-    from skafa.llm import PromptTemplate
-    from skafa.llm import all_sites
+    from skafa.llm import PromptTemplate, all_sites, extract_activations, load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

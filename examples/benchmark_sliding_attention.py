@@ -49,8 +49,7 @@ def main(argv=None):
     import numpy as np
     import torch
 
-    from skafa.llm import banded_sliding_window_attention, has_sliding_window
-    from skafa.llm import decoder_layout
+    from skafa.llm import banded_sliding_window_attention, decoder_layout, has_sliding_window
 
     args = parse_args(argv)
     torch.set_num_threads(int(args.threads))

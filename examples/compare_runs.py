@@ -17,11 +17,12 @@ there are matched to ``--data`` (the Who&When folder) by record id.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
 import numpy as np
+
+from skafa.model_selection import read_result
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,7 +80,7 @@ def main(argv=None):
         "SKAFA_WHO_AND_WHEN", str(REPO.parent / "shared" / "data" / "who_and_when")))
     p.add_argument("--n-resamples", type=int, default=2000)
     args = p.parse_args(argv)
-    a, b = (json.loads(Path(f).read_text()) for f in (args.a, args.b))
+    a, b = (read_result(f) for f in (args.a, args.b))
     rows = compare(a, b, methods=args.methods, data=args.data, n_resamples=args.n_resamples)
     print(f"A = {a.get('tag')} (read={a.get('read', 'last')}), "
           f"B = {b.get('tag')} (read={b.get('read', 'last')}); n = {len(a['record_ids'])}\n")

@@ -24,11 +24,18 @@ import numpy as np
 from sklearn.model_selection import GroupKFold, cross_val_predict
 from sklearn.pipeline import make_pipeline
 
-from skafa import (DummyStepClassifier, GroupedArgmaxLogisticClassifier, PromptTemplate,
-                   SiteSelector, TurnActivationTransformer, TurnFeatureUnion,
-                   TurnPositionTransformer, TurnTextTransformer)
-from skafa.metrics import agent_accuracy, bootstrap_ci, paired_bootstrap_ci, step_accuracy
+from skafa import (
+    DummyStepClassifier,
+    GroupedArgmaxLogisticClassifier,
+    PromptTemplate,
+    SiteSelector,
+    TurnActivationTransformer,
+    TurnFeatureUnion,
+    TurnPositionTransformer,
+    TurnTextTransformer,
+)
 from skafa.llm import context_length, load_model, register_model
+from skafa.metrics import agent_accuracy, bootstrap_ci, paired_bootstrap_ci, step_accuracy
 
 TINY = "compare-with-baselines-tiny"
 

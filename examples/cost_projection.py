@@ -66,9 +66,13 @@ def main(argv=None):
     from transformers import AutoTokenizer
 
     import skafa
-    from skafa.llm import forward_flops, layer_parameters, measure_throughput
-    from skafa.llm import load_model
-    from skafa.llm import PromptTemplate
+    from skafa.llm import (
+        PromptTemplate,
+        forward_flops,
+        layer_parameters,
+        load_model,
+        measure_throughput,
+    )
 
     torch.set_num_threads(args.threads)
     started = datetime.datetime.now()

@@ -12,12 +12,12 @@ Usage::
 
 from __future__ import annotations
 
-import json
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
+
+from skafa.model_selection import read_result
 
 
 def inner_scores(result):
@@ -40,7 +40,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         raise SystemExit(__doc__)
-    out = inner_scores(json.loads(Path(argv[0]).read_text()))
+    out = inner_scores(read_result(argv[0]))
     for name, score in out["mean_inner"].items():
         print(f"{100 * score:5.1f}  {name}")
     print(f"chosen minus runner-up, mean over outer fits: {100 * out['lead']:+.1f} points")

@@ -49,12 +49,19 @@ from sklearn.model_selection import (
 )
 
 from skafa.attributor import FailureAttributor
+from skafa.baselines import DummyStepClassifier
 from skafa.compose import make_attribution_pipeline
 from skafa.configurations import RECOMMENDED, make_configuration, parse_configuration
 from skafa.datasets import load_who_and_when
-from skafa.baselines import DummyStepClassifier
-from skafa.llm import TurnActivationTransformer
 from skafa.featurizers import TurnPositionTransformer, TurnTextTransformer
+from skafa.llm import (
+    PromptTemplate,
+    TurnActivationTransformer,
+    context_length,
+    load_model,
+    parse_site_spec,
+    plan,
+)
 from skafa.metrics import (
     agent_accuracy,
     bootstrap_ci,
@@ -62,10 +69,7 @@ from skafa.metrics import (
     step_accuracy,
     within_k_accuracy,
 )
-from skafa.llm import context_length, load_model
 from skafa.probes import GroupedArgmaxLogisticClassifier
-from skafa.llm import PromptTemplate, plan
-from skafa.llm import parse_site_spec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -98,7 +102,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=lambda v: v if v == "auto" else int(v), default=1,
                    help="conversations per forward pass, or 'auto' (from free device memory)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", help="compute dtype, e.g. bfloat16 on a GPU")
+    p.add_argument("--dtype", default="auto",
+                   help="compute dtype; auto: bfloat16 on a GPU or a CPU with bf16 units")
     p.add_argument("--n-resamples", type=int, default=2000, help="bootstrap resamples")
     p.add_argument("--seed", type=int, default=0, help="seed of splits and bootstrap")
     return p.parse_args(argv)

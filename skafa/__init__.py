@@ -77,8 +77,8 @@ _EXPORTS = {
 
 #: Subpackages and public modules reachable as attributes (``skafa.metrics``, ...).
 _SUBMODULES = (
-    "attributor", "baselines", "cli", "compose", "configurations", "conversation", "datasets",
-    "exceptions", "features", "featurizers", "integrations", "llm", "metrics",
+    "attributor", "base", "baselines", "benchmarks", "cli", "compose", "configurations",
+    "conversation", "datasets", "exceptions", "features", "featurizers", "integrations", "llm", "metrics",
     "model_selection", "online", "persistence", "probes", "report", "testing", "utils",
 )
 

@@ -701,7 +701,8 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
         return save(self, path, overwrite=overwrite)
 
     @classmethod
-    def load(cls, path, *, model=None, device=None, trust=()):
+    def load(cls, path, *, model=None, device=None, trust=(), cache_dir=None, n_jobs=None,
+             verbose=None):
         """Load an attributor saved with :meth:`save`.
 
         Parameters
@@ -711,9 +712,12 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
             Use this model instead of the saved one (its architecture must
             match; a different name or file of the same architecture warns).
         device : str, default=None
-            Torch device instead of the saved one.
+            Torch device (runtime settings never come from the file).
         trust : iterable of str, default=()
             See :func:`skafa.persistence.load`.
+        cache_dir, n_jobs, verbose : default=None
+            Runtime settings of the loaded steps (never read from the file; ``None``
+            keeps each step's constructor default).
 
         Returns
         -------
@@ -721,7 +725,8 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
         """
         from .persistence import load
 
-        obj = load(path, model=model, device=device, trust=trust)
+        obj = load(path, model=model, device=device, trust=trust, cache_dir=cache_dir,
+                   n_jobs=n_jobs, verbose=verbose)
         if not isinstance(obj, cls):
             raise TypeError(
                 f"{path} holds a {type(obj).__name__}, not a {cls.__name__}; load it with "

@@ -8,6 +8,7 @@ label is ``mistake_step``: the 0-based index of the decisive turn.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -72,10 +73,22 @@ def _parse_step(raw_step, where):
         ok = False
     if not ok:
         raise ConversationError(
-            f"{where}: field 'mistake_step'={raw_step!r} is not an integer (an int or a "
-            "string of ASCII digits 0-9, optionally after '-')."
+            f"{where}: field 'mistake_step'={_clip(raw_step)} is not an integer (an int or "
+            "a string of ASCII digits 0-9, optionally after '-')."
         )
+    if len(text.lstrip("-").lstrip("0")) > 18:  # no history is that long; int() may refuse it
+        raise ConversationError(
+            f"{where}: field 'mistake_step'={_clip(raw_step)} ({len(text)} characters) is "
+            "outside any history.")
     return int(text)
+
+
+def _clip(value, n=60):
+    """``repr(value)`` cut to ``n`` characters (a field may hold megabytes)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        return f"<an int of {value.bit_length()} bits>"
+    text = repr(value)
+    return text if len(text) <= n else text[:n] + "..."
 
 
 @dataclass(frozen=True)
@@ -183,6 +196,15 @@ class Conversation:
                 object.__setattr__(self, name, "")
             elif not isinstance(value, str):
                 # Who&When's ground_truth is sometimes a number: keep its text.
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise ConversationError(
+                        f"{where}: field {name!r} is {value!r}, not text or a finite number "
+                        "(NaN and Infinity in a record are refused, not read as "
+                        f"{str(value)!r}).")
+                if isinstance(value, int) and not isinstance(value, bool) \
+                        and value.bit_length() > 4000:
+                    raise ConversationError(f"{where}: field {name!r} is an integer of "
+                                            f"{value.bit_length()} bits, not text.")
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     object.__setattr__(self, name, str(value))
                 else:
@@ -210,11 +232,11 @@ class Conversation:
                         raise TypeError
                 except TypeError:
                     raise ConversationError(
-                        f"{where}: field 'mistake_step' must be an int, got {step!r}."
+                        f"{where}: field 'mistake_step' must be an int, got {_clip(step)}."
                     ) from None
             if not 0 <= step < len(turns):
                 raise ConversationError(
-                    f"{where}: field 'mistake_step'={step} is outside the history "
+                    f"{where}: field 'mistake_step'={_clip(step)} is outside the history "
                     f"(0..{len(turns) - 1})."
                 )
             object.__setattr__(self, "mistake_step", step)
@@ -340,7 +362,8 @@ class Conversation:
         )
 
     @classmethod
-    def from_who_and_when(cls, record: Mapping, *, record_id: str | None = None) -> Conversation:
+    def from_who_and_when(cls, record: Mapping, *, record_id: str | None = None,
+                          labelled=True) -> Conversation:
         """Build a conversation from one Who&When record (either subset).
 
         Algorithm-Generated records name the speaker in each turn's ``name``;
@@ -358,6 +381,13 @@ class Conversation:
             ``question_ID``, ``history``, ``mistake_step``, ``mistake_agent``.
         record_id : str, optional
             Name used in error messages and kept as :attr:`record_id`.
+        labelled : {True, "auto", False}, default=True
+            ``True``: ``mistake_step`` and ``mistake_agent`` are required (a
+            labelled benchmark record). ``"auto"``: each is used when present;
+            when null or absent it is ``None``, so a new failed run without
+            labels loads as an unlabelled conversation (``mistake_step`` None)
+            that can be attributed. ``False``: labels are ignored even when
+            present.
 
         Raises
         ------
@@ -365,15 +395,28 @@ class Conversation:
             Naming the record and field: missing keys (``question_ID``
             included), an empty or non-text ``question_ID``, empty history, a turn
             without speaker, with a non-text ``name`` or content, text holding a
-            lone surrogate, a non-integer or out-of-range ``mistake_step``.
+            lone surrogate, NaN or Infinity as ``question`` or ``ground_truth``, a
+            non-integer or out-of-range ``mistake_step``.
         """
+        if labelled not in (True, False, "auto"):
+            raise ValueError(f"labelled must be True, False or 'auto', got {labelled!r}.")
         where = _where(record_id)
         if not isinstance(record, Mapping):
             raise ConversationError(f"{where}: expected a JSON object, got {type(record).__name__}.")
-        required = ("question", "question_ID", "history", "mistake_step", "mistake_agent")
+        required = ("question", "question_ID", "history")
+        if labelled is True:
+            required += ("mistake_step", "mistake_agent")
         missing = [k for k in required if k not in record]
         if missing:
-            raise ConversationError(f"{where}: missing required field(s) {missing}.")
+            hint = ("; pass labelled='auto' to load runs without labels as unlabelled"
+                    if {"mistake_step", "mistake_agent"} & set(missing) else "")
+            raise ConversationError(f"{where}: missing required field(s) {missing}{hint}.")
+        for key in ("question", "ground_truth"):
+            value = record.get(key)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConversationError(
+                    f"{where}: field {key!r} is {value!r}, not text or a finite number "
+                    f"(NaN and Infinity are refused, not read as {str(value)!r}).")
         task_id = record["question_ID"]
         if isinstance(task_id, bool) or not isinstance(task_id, (str, int)) or task_id == "":
             raise ConversationError(
@@ -402,15 +445,18 @@ class Conversation:
                     f"{type(content).__name__}."
                 )
             turns.append(Turn(speaker, content, role if isinstance(role, str) else None))
-        step = _parse_step(record["mistake_step"], where)
-        if not 0 <= step < len(turns):
+        raw_step = record.get("mistake_step") if labelled else None
+        step = (None if raw_step is None and labelled is not True
+                else _parse_step(raw_step, where))
+        if step is not None and not 0 <= step < len(turns):
             raise ConversationError(
                 f"{where}: field 'mistake_step'={step} is outside the history "
                 f"(0..{len(turns) - 1})."
             )
-        agent = record["mistake_agent"]
-        if not isinstance(agent, str):
-            raise ConversationError(f"{where}: field 'mistake_agent' must be text.")
+        agent = record.get("mistake_agent") if labelled else None
+        if not isinstance(agent, str) and not (agent is None and labelled != True):  # noqa: E712
+            hint = "; pass labelled='auto' to load it as unlabelled" if agent is None else ""
+            raise ConversationError(f"{where}: field 'mistake_agent' must be text{hint}.")
         known = {"question", "ground_truth", "question_ID", "history", "mistake_step",
                  "mistake_agent"}
         metadata = {k: v for k, v in record.items() if k not in known}

@@ -34,6 +34,12 @@ _NUMERIC = "biuf"  # dtype kinds a TurnFeatures may hold (bool, ints, floats)
 #: Column count a sparse TurnFeatures file may claim (TF-IDF vocabularies are far
 #: smaller); a hostile header must not make a later fit allocate a huge coefficient array.
 MAX_SPARSE_COLUMNS = 2**26
+#: A sparse file may claim this many columns whatever its size (a hashing
+#: vectorizer's 2**20 columns, say) ...
+SPARSE_COLUMNS_FREE = 2**20
+#: ... and beyond that at most this many per byte the file holds: the column count
+#: is a number in a header, backed by no data, and a probe allocates per column.
+SPARSE_COLUMNS_PER_BYTE = 16
 
 
 def _check_csr_parts(data, indices, indptr, shape):
@@ -160,6 +166,15 @@ def _contents_from_file(tensors, meta):
         data, indices, indptr = (
             tensors[k] for k in ("sparse_data", "sparse_indices", "sparse_indptr")
         )
+        held = sum(int(t.nbytes) for t in tensors.values()) + sum(
+            len(k) + len(v) for k, v in meta.items())
+        allowed = max(SPARSE_COLUMNS_FREE, SPARSE_COLUMNS_PER_BYTE * held)
+        if MAX_SPARSE_COLUMNS >= shape[1] > allowed:
+            raise ValueError(
+                f"the header says {shape[1]:,} columns, but the file holds {held:,} bytes, "
+                f"which justify at most {allowed:,} (skafa.features.SPARSE_COLUMNS_FREE, "
+                f"or SPARSE_COLUMNS_PER_BYTE={SPARSE_COLUMNS_PER_BYTE} per byte); a probe "
+                "fitted on it would allocate per declared column")
         _check_csr_parts(data, indices, indptr, tuple(shape))
         values = sp.csr_matrix((data, indices, indptr), shape=tuple(shape))
     else:

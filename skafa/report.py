@@ -1,16 +1,23 @@
 """Attribution reports people can look at: a self-contained HTML page and PNG plots.
 
 :func:`attribution_html` renders one :class:`~skafa.Attribution` as a single
-HTML page with inline CSS and an inline SVG score strip: no JavaScript, no
-network access (a Content-Security-Policy forbids it), so it opens the same
-from a mail attachment, a CI artifact or a file share. It shows
+HTML page meant for debugging a failed run: inline CSS, no JavaScript, no
+network access (a Content-Security-Policy forbids both), so it opens the same
+from a mail attachment, a CI artifact or a file share. At the top, without
+scrolling, it shows
 
 - the blamed turn and agent, with the probability of that turn;
 - the annotated decisive turn and agent, when the conversation is labelled,
-  and whether the attribution found it;
-- the runner-up turns (the attribution's ``top_k``) with scores and probabilities;
-- the transcript, each turn with a colour band for its score (pale: low, dark
-  red: high), the blamed turn outlined, the annotated turn marked.
+  and whether the blame hit it (or says there is no label);
+- the runner-up turns by descending probability;
+- a strip with one bar per turn (height and colour from the score, the blamed
+  and annotated turns marked); each bar is a link to its turn, and the strip
+  stays on screen (CSS ``position: sticky``) while the transcript scrolls.
+
+Below come the task, the attribution's ``top_k`` turns with previews and the
+transcript, each turn with a colour band for its score (pale: low, dark red:
+high), the blamed turn outlined, the annotated turn marked, and the turn a link
+jumped to ringed in blue (CSS ``:target``).
 
 :func:`plot_turn_scores` draws the per-turn scores as a PNG;
 :func:`plot_site_scores` draws a fitted attributor's cross-validated step
@@ -41,6 +48,8 @@ _HIGH = (165, 15, 21)
 #: Outline of the blamed turn; marker of the annotated turn.
 BLAMED_COLOUR = "#d7301f"
 ANNOTATED_COLOUR = "#1a9850"
+#: Ring around the turn a link jumped to (CSS ``:target``).
+TARGET_COLOUR = "#0969da"
 
 
 def _unit(scores):
@@ -67,78 +76,134 @@ def _esc(text) -> str:
 
 
 _CSS = f"""
-:root {{ --blamed: {BLAMED_COLOUR}; --annotated: {ANNOTATED_COLOUR}; }}
+:root {{ --blamed: {BLAMED_COLOUR}; --annotated: {ANNOTATED_COLOUR}; --target: {TARGET_COLOUR};
+         --line: #d0d7de; --muted: #57606a; }}
 * {{ box-sizing: border-box; }}
+html {{ scroll-behavior: auto; }}
 body {{ font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #1b1f24;
-       margin: 0 auto; max-width: 1100px; padding: 24px; background: #fafbfc; }}
-h1 {{ font-size: 22px; margin: 0 0 4px; }}
-h2 {{ font-size: 17px; margin: 28px 0 8px; }}
-.meta {{ color: #57606a; font-size: 13px; }}
-.cards {{ display: flex; gap: 16px; flex-wrap: wrap; margin: 16px 0; }}
-.card {{ flex: 1 1 300px; background: #fff; border: 1px solid #d0d7de; border-radius: 8px;
-        padding: 12px 16px; }}
+       margin: 0 auto; max-width: 1120px; padding: 16px 24px 40px; background: #fafbfc; }}
+a {{ color: #0969da; }}
+h1 {{ font-size: 20px; margin: 0 0 2px; overflow-wrap: anywhere; }}
+h2 {{ font-size: 16px; margin: 24px 0 8px; }}
+.meta {{ color: var(--muted); font-size: 13px; overflow-wrap: anywhere; }}
+.summary {{ display: grid; grid-template-columns: 1.15fr 1fr 1.25fr; gap: 12px; margin: 12px 0 0; }}
+@media (max-width: 760px) {{ .summary {{ grid-template-columns: 1fr; }} }}
+.card {{ background: #fff; border: 1px solid var(--line); border-radius: 8px; padding: 10px 14px;
+        min-width: 0; }}
 .card.blame {{ border-left: 8px solid var(--blamed); }}
 .card.truth {{ border-left: 8px solid var(--annotated); }}
-.card .big {{ font-size: 20px; font-weight: 600; }}
+.card.truth.unknown {{ border-left-color: #afb8c1; }}
+.card .label {{ font-size: 12px; font-weight: 700; letter-spacing: .04em; text-transform: uppercase;
+               color: var(--muted); }}
+.card .big {{ font-size: 19px; font-weight: 650; margin: 2px 0; overflow-wrap: anywhere; }}
+.card .big a {{ color: inherit; }}
+.card .prob {{ font-size: 14px; }}
+.card .prob b {{ font-size: 18px; font-variant-numeric: tabular-nums; }}
+.card .preview {{ font: 12px/1.35 ui-monospace, SFMono-Regular, Menlo, monospace; color: #424a53;
+                 margin-top: 6px; max-height: 3.1em; overflow: hidden; overflow-wrap: anywhere; }}
+.pbar {{ display: inline-block; width: 70px; height: 8px; background: #eaeef2; border-radius: 4px;
+        vertical-align: middle; overflow: hidden; }}
+.pbar > span {{ display: block; height: 100%; background: #6e7781; }}
+ol.runner-ups {{ margin: 4px 0 0; padding: 0; list-style: none; font-size: 14px; }}
+ol.runner-ups li {{ display: grid; grid-template-columns: 26px 1fr auto 60px; gap: 6px;
+                   align-items: baseline; padding: 1px 0; }}
+ol.runner-ups .rank {{ color: var(--muted); font-variant-numeric: tabular-nums; }}
+ol.runner-ups .who {{ min-width: 0; overflow-wrap: anywhere; }}
+ol.runner-ups .p {{ font-variant-numeric: tabular-nums; text-align: right; }}
 .verdict {{ display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 13px;
            font-weight: 600; }}
 .verdict.hit {{ background: #dafbe1; color: #116329; }}
 .verdict.miss {{ background: #ffebe9; color: #a40e26; }}
-table {{ border-collapse: collapse; background: #fff; }}
-th, td {{ border: 1px solid #d0d7de; padding: 4px 10px; text-align: left; font-size: 14px; }}
-td.num {{ text-align: right; font-variant-numeric: tabular-nums; }}
-.task {{ background: #fff; border: 1px solid #d0d7de; border-radius: 8px; padding: 8px 16px; }}
-.task pre {{ white-space: pre-wrap; word-wrap: break-word; }}
-.turn {{ display: flex; background: #fff; border: 1px solid #d0d7de; border-radius: 6px;
-        margin: 8px 0; overflow: hidden; }}
+.tick {{ color: var(--annotated); font-weight: 700; white-space: nowrap; }}
+.strip-panel {{ position: sticky; top: 0; z-index: 3; background: #fafbfc; margin: 0 -8px;
+               padding: 10px 8px 6px; border-bottom: 1px solid var(--line); }}
+.strip-panel .title {{ font-size: 12px; font-weight: 700; letter-spacing: .04em;
+                      text-transform: uppercase; color: var(--muted); }}
+.strip {{ display: flex; flex-wrap: wrap; gap: 2px; margin-top: 4px; }}
+.strip .cell {{ flex: 1 1 0; min-width: 5px; max-width: 56px; height: 62px; display: flex;
+               flex-direction: column; justify-content: flex-end; text-decoration: none;
+               border-radius: 3px; border-bottom: 4px solid transparent; }}
+.strip .cell:hover {{ background: #eaeef2; }}
+.strip .cell:focus-visible {{ outline: 2px solid var(--target); }}
+.strip .bar {{ display: block; width: 100%; border-radius: 2px 2px 0 0; min-height: 4px; }}
+.strip .cell.blamed .bar {{ box-shadow: inset 0 0 0 2px var(--blamed), 0 0 0 1px var(--blamed); }}
+.strip .cell.annotated {{ border-bottom-color: var(--annotated); }}
+.strip .idx {{ display: block; height: 14px; font-size: 10px; line-height: 14px; color: var(--muted);
+              text-align: center; overflow: visible; white-space: nowrap; }}
+.legend {{ font-size: 12px; color: var(--muted); margin-top: 3px; }}
+.scale {{ display: inline-block; width: 120px; height: 9px; vertical-align: middle;
+         background: linear-gradient(to right, {score_colour(0)}, {score_colour(1)});
+         border: 1px solid var(--line); }}
+.key {{ display: inline-block; width: 12px; height: 9px; vertical-align: middle; }}
+table {{ border-collapse: collapse; background: #fff; width: 100%; table-layout: auto; }}
+th, td {{ border: 1px solid var(--line); padding: 4px 10px; text-align: left; font-size: 14px; }}
+td.num {{ text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }}
+td.preview {{ overflow-wrap: anywhere; }}
+.task {{ background: #fff; border: 1px solid var(--line); border-radius: 8px; padding: 8px 16px; }}
+.task pre {{ white-space: pre-wrap; overflow-wrap: anywhere; max-height: 16em; overflow: auto; }}
+.turn {{ display: flex; background: #fff; border: 1px solid var(--line); border-radius: 6px;
+        margin: 8px 0; overflow: hidden; scroll-margin-top: 132px; }}
 .turn .band {{ flex: 0 0 14px; }}
 .turn .body {{ flex: 1; padding: 6px 12px; min-width: 0; }}
-.turn .head {{ font-size: 13px; color: #57606a; }}
+.turn .head {{ font-size: 13px; color: var(--muted); overflow-wrap: anywhere; }}
 .turn .head b {{ color: #1b1f24; }}
-.turn pre {{ white-space: pre-wrap; word-wrap: break-word; margin: 4px 0;
+.turn .head a.up {{ float: right; font-size: 12px; text-decoration: none; }}
+.turn pre {{ white-space: pre-wrap; overflow-wrap: anywhere; margin: 4px 0;
             font: 13px/1.4 ui-monospace, SFMono-Regular, Menlo, monospace; }}
-.turn.blamed {{ outline: 4px solid var(--blamed); outline-offset: -1px;
-               background: #fff5f3; }}
+.turn.blamed {{ outline: 4px solid var(--blamed); outline-offset: -1px; background: #fff5f3; }}
 .turn.annotated {{ border: 3px dashed var(--annotated); }}
+.turn:target {{ box-shadow: 0 0 0 4px var(--target), 0 6px 18px rgba(9, 105, 218, .30); }}
+.turn:target .head {{ color: #1b1f24; }}
+.turn:target .head::after {{ content: "you jumped here"; margin-left: 8px; padding: 0 7px;
+                            border-radius: 9px; font-size: 12px; font-weight: 700; color: #fff;
+                            background: var(--target); }}
 .badge {{ display: inline-block; padding: 0 7px; margin-left: 6px; border-radius: 9px;
          font-size: 12px; font-weight: 700; color: #fff; }}
 .badge.blamed {{ background: var(--blamed); }}
 .badge.annotated {{ background: var(--annotated); }}
 .badge.rank {{ background: #6e7781; }}
-.legend {{ font-size: 12px; color: #57606a; }}
-.scale {{ display: inline-block; width: 160px; height: 10px; vertical-align: middle;
-         background: linear-gradient(to right, {score_colour(0)}, {score_colour(1)});
-         border: 1px solid #d0d7de; }}
-svg text {{ font: 10px system-ui, sans-serif; fill: #57606a; }}
 """
 
+#: Turns in the summary's ranking: the blamed one and up to four runner-ups.
+N_RANKED = 5
 
-def _strip_svg(scores, unit, step, true_step):
-    """Inline SVG: one bar per turn, height and colour from the score."""
+
+def _ranking(scores):
+    """Turn indices by descending score, earliest first on ties (as ``attribute`` ranks)."""
+    return [int(t) for t in np.argsort(-scores, kind="stable")]
+
+
+def _pbar(p):
+    return (f'<span class="pbar"><span style="width:{100 * float(np.clip(p, 0, 1)):.1f}%">'
+            "</span></span>")
+
+
+def _score_strip(scores, proba, unit, speakers, step, true_step):
+    """HTML strip: one link per turn (``href="#turn-<t>"``), bar height and colour from the score."""
     n = len(scores)
-    width, height, pad = 1000, 90, 14
-    bar = max(1.0, (width - 2 * pad) / max(n, 1))
-    parts = [f'<svg role="img" aria-label="turn scores" viewBox="0 0 {width} {height + 18}" '
-             f'width="100%" xmlns="http://www.w3.org/2000/svg">']
+    label_every = 1 if n <= 40 else -(-n // 30)
+    cells = []
     for t in range(n):
-        h = 6 + (height - 10) * unit[t]
-        x = pad + t * bar
-        stroke = ""
+        classes = ["cell"]
         if t == step:
-            stroke = f' stroke="{BLAMED_COLOUR}" stroke-width="3"'
-        parts.append(f'<rect x="{x + 1:.1f}" y="{height - h:.1f}" width="{max(bar - 2, 1):.1f}" '
-                     f'height="{h:.1f}" fill="{score_colour(unit[t])}"{stroke}>'
-                     f'<title>turn {t}: score {scores[t]:+.3f}</title></rect>')
+            classes.append("blamed")
         if true_step is not None and t == true_step:
-            cx = x + bar / 2
-            parts.append(f'<polygon points="{cx - 5:.1f},{height + 12} {cx + 5:.1f},'
-                         f'{height + 12} {cx:.1f},{height + 3}" fill="{ANNOTATED_COLOUR}">'
-                         '<title>annotated decisive turn</title></polygon>')
-        if n <= 60 or t % max(1, n // 30) == 0:
-            parts.append(f'<text x="{x + bar / 2:.1f}" y="{height + 16}" '
-                         f'text-anchor="middle">{t}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
+            classes.append("annotated")
+        tip = (f"turn {t} · {speakers[t]} · score {scores[t]:+.3f} · p {proba[t]:.3f}"
+               + (" · blamed" if t == step else "")
+               + (" · annotated" if true_step is not None and t == true_step else ""))
+        label = str(t) if t % label_every == 0 else ""
+        cells.append(f'<a class="{" ".join(classes)}" href="#turn-{t}" title="{_esc(tip)}">'
+                     f'<span class="bar" style="height:{8 + 40 * unit[t]:.1f}px;'
+                     f'background:{score_colour(unit[t])}"></span>'
+                     f'<span class="idx">{label}</span></a>')
+    return ('<nav class="strip-panel" id="strip-panel" aria-label="score of every turn">'
+            '<div class="title">Score of every turn · click a bar to jump to the turn</div>'
+            f'<div class="strip" id="score-strip">{"".join(cells)}</div>'
+            '<div class="legend">low <span class="scale"></span> high score · '
+            '<span class="key" style="box-shadow: inset 0 0 0 2px var(--blamed)"></span> blamed · '
+            '<span class="key" style="border-bottom: 4px solid var(--annotated)"></span> '
+            'annotated · hover a bar for its speaker, score and probability</div></nav>')
 
 
 def attribution_html(attribution, conversation=None, *, title=None) -> str:
@@ -158,9 +223,24 @@ def attribution_html(attribution, conversation=None, *, title=None) -> str:
     Returns
     -------
     page : str
-        The HTML document. Every turn is a ``<section class="turn" id="turn-<t>"
-        data-score=...>``; the blamed turn also has class ``blamed`` and the
-        annotated one class ``annotated``.
+        The HTML document. At the top, ``id="summary"``: the blamed turn
+        (``id="blamed-summary"``), the annotated turn (``id="annotated-summary"``)
+        and the runner-ups by descending probability (``id="runner-ups-summary"``);
+        below it the score strip (``id="score-strip"``), one ``<a class="cell"
+        href="#turn-<t>">`` per turn. Every turn is a ``<section class="turn"
+        id="turn-<t>" data-score=...>``; the blamed turn also has class ``blamed``
+        and the annotated one class ``annotated``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skafa.attributor import Attribution
+    >>> att = Attribution(step=1, agent="Coder", turn_scores=np.array([0.1, 2.0, 0.5]),
+    ...                   turn_probabilities=np.array([0.12, 0.72, 0.16]), site="resid_final",
+    ...                   speakers=("Planner", "Coder", "<b>Verifier</b>"), true_step=2)
+    >>> page = attribution_html(att)
+    >>> page.count('class="cell'), "<b>Verifier" in page, "&lt;b&gt;Verifier" in page
+    (3, False, True)
     """
     conv = conversation if conversation is not None else getattr(attribution, "conversation",
                                                                  None)
@@ -173,10 +253,21 @@ def attribution_html(attribution, conversation=None, *, title=None) -> str:
     speakers = list(attribution.speakers) if attribution.speakers else (
         list(conv.speakers) if conv is not None else ["?"] * n)
     unit = _unit(scores)
-    step, true_step = int(attribution.step), attribution.true_step
+    step = int(attribution.step)
+    true_step = None if attribution.true_step is None else int(attribution.true_step)
     ranks = {r.step: k for k, r in enumerate(attribution.top_k, start=1)}
+    order = _ranking(scores)
     ident = attribution.record_id or attribution.task_id
     title = title or ("skafa attribution" + (f": {ident}" if ident else ""))
+
+    def preview(t):
+        for r in attribution.top_k:
+            if r.step == t and r.preview:
+                return r.preview
+        if conv is not None:
+            text = " ".join(str(conv.turns[t].content).split())
+            return text[:157] + "…" if len(text) > 160 else text
+        return ""
 
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
            '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
@@ -191,26 +282,46 @@ def attribution_html(attribution, conversation=None, *, title=None) -> str:
         meta.append(f"record <code>{_esc(attribution.record_id)}</code>")
     out.append(f'<div class="meta">{" · ".join(meta)}</div>')
 
-    # summary cards
-    out.append('<div class="cards">')
-    out.append(f'<div class="card blame" id="blamed-summary"><div class="meta">Blamed by '
-               f'the probe</div><div class="big"><a href="#turn-{step}">turn {step}</a> · '
-               f'{_esc(attribution.agent)}</div><div class="meta">score '
-               f'{scores[step]:+.3f} · probability {proba[step]:.3f}</div></div>')
+    # summary: blamed turn, annotated turn, runner-ups
+    out.append('<div class="summary" id="summary">')
+    out.append(f'<div class="card blame" id="blamed-summary"><div class="label">Blamed turn</div>'
+               f'<div class="big"><a href="#turn-{step}">turn {step}</a> · '
+               f'{_esc(attribution.agent)}</div><div class="prob">probability '
+               f'<b>{proba[step]:.3f}</b></div><div class="meta">score {scores[step]:+.3f} · '
+               f'rank 1 of {n} · a uniform guess would give {1 / n:.3f}</div>'
+               f'<div class="preview">{_esc(preview(step))}</div></div>')
     if true_step is not None:
-        hit = int(true_step) == step
-        verdict = ('<span class="verdict hit">found</span>' if hit else
-                   f'<span class="verdict miss">missed by {abs(int(true_step) - step)} '
-                   f'turn{"s" if abs(int(true_step) - step) != 1 else ""}</span>')
-        out.append(f'<div class="card truth" id="annotated-summary"><div class="meta">'
-                   f'Annotated decisive step</div><div class="big"><a href="#turn-{true_step}">'
+        shift = abs(true_step - step)
+        verdict = ('<span class="verdict hit">the blame hit it</span>' if shift == 0 else
+                   f'<span class="verdict miss">missed by {shift} turn{"s" if shift != 1 else ""}'
+                   "</span>")
+        out.append(f'<div class="card truth" id="annotated-summary"><div class="label">'
+                   f'Annotated turn (the label)</div><div class="big"><a href="#turn-{true_step}">'
                    f'turn {true_step}</a> · {_esc(attribution.true_agent)}</div>'
-                   f'<div class="meta">{verdict} · its score {scores[int(true_step)]:+.3f}, '
-                   f'rank {1 + int(np.sum(scores > scores[int(true_step)]))} of {n}</div></div>')
+                   f'<div class="prob">{verdict}</div><div class="meta">its probability '
+                   f'{proba[true_step]:.3f} · score {scores[true_step]:+.3f} · rank '
+                   f'{order.index(true_step) + 1} of {n}</div></div>')
     else:
-        out.append('<div class="card truth"><div class="meta">Annotated decisive step</div>'
-                   '<div class="big">not known</div></div>')
-    out.append("</div>")
+        out.append('<div class="card truth unknown" id="annotated-summary"><div class="label">'
+                   'Annotated turn (the label)</div><div class="big">none</div>'
+                   '<div class="meta">not known: the conversation carries no label, so the '
+                   "blame cannot be checked here</div></div>")
+    runners = [t for t in order if t != step][:N_RANKED - 1]
+    items = []
+    for k, t in enumerate(runners, start=2):
+        tick = (' <span class="tick" title="the annotated turn">✔ annotated</span>'
+                if t == true_step else "")
+        items.append(f'<li data-step="{t}"><span class="rank">#{k}</span><span class="who">'
+                     f'<a href="#turn-{t}">turn {t}</a> · {_esc(speakers[t])}{tick}</span>'
+                     f'<span class="p">{proba[t]:.3f}</span>{_pbar(proba[t] / proba[step])}</li>')
+    out.append('<div class="card runners" id="runner-ups-summary"><div class="label">Runner-ups '
+               '· probability <span title="bars: probability relative to the blamed turn">'
+               '(bar: vs blamed)</span></div>'
+               + (f'<ol class="runner-ups">{"".join(items)}</ol>' if items else
+                  '<div class="meta">none: the conversation has one turn</div>')
+               + "</div></div>")
+
+    out.append(_score_strip(scores, proba, unit, speakers, step, true_step))
 
     if conv is not None and (conv.task or conv.expected_answer):
         out.append('<h2>Task</h2><div class="task">')
@@ -221,23 +332,17 @@ def attribution_html(attribution, conversation=None, *, title=None) -> str:
                        "</b></div>")
         out.append("</div>")
 
-    # runner-ups
+    # the attribution's top_k with previews
     out.append('<h2>Highest-scoring turns</h2><table id="runner-ups"><tr><th>rank</th>'
                "<th>turn</th><th>agent</th><th>score</th><th>probability</th>"
                "<th>preview</th></tr>")
     for k, r in enumerate(attribution.top_k, start=1):
-        mark = " ✔" if true_step is not None and r.step == int(true_step) else ""
+        mark = " ✔" if true_step is not None and r.step == true_step else ""
         out.append(f'<tr><td class="num">{k}</td><td class="num"><a href="#turn-{r.step}">'
                    f"{r.step}</a>{mark}</td><td>{_esc(r.agent)}</td>"
                    f'<td class="num">{r.score:+.3f}</td><td class="num">{r.probability:.3f}'
-                   f"</td><td>{_esc(r.preview)}</td></tr>")
+                   f'</td><td class="preview">{_esc(r.preview)}</td></tr>')
     out.append("</table>")
-
-    out.append("<h2>Score of every turn</h2>")
-    out.append(_strip_svg(scores, unit, step, true_step))
-    out.append(f'<div class="legend">low <span class="scale"></span> high score · '
-               f'<span style="color:{BLAMED_COLOUR}">■</span> blamed · '
-               f'<span style="color:{ANNOTATED_COLOUR}">▲</span> annotated</div>')
 
     # transcript
     out.append("<h2>Transcript</h2>")
@@ -247,7 +352,7 @@ def attribution_html(attribution, conversation=None, *, title=None) -> str:
         if t == step:
             classes.append("blamed")
             badges.append('<span class="badge blamed">blamed</span>')
-        if true_step is not None and t == int(true_step):
+        if true_step is not None and t == true_step:
             classes.append("annotated")
             badges.append('<span class="badge annotated">annotated</span>')
         if t in ranks and t != step:
@@ -261,6 +366,7 @@ def attribution_html(attribution, conversation=None, *, title=None) -> str:
             f'data-score="{scores[t]:.6g}" data-probability="{proba[t]:.6g}">'
             f'<div class="band" style="background:{score_colour(unit[t])}" '
             f'title="score {scores[t]:+.3f}"></div><div class="body"><div class="head">'
+            f'<a class="up" href="#summary">↑ summary</a>'
             f"<b>turn {t} · {_esc(speakers[t])}</b>{role_txt} · score {scores[t]:+.3f} · "
             f"p {proba[t]:.3f}{''.join(badges)}</div>{body}</div></section>")
     out.append('<p class="meta">Made by skafa. Scores are a linear probe\'s reading of the '
@@ -287,6 +393,15 @@ def _pyplot():
         raise ImportError("The PNG plots need matplotlib: pip install \"skafa[plot]\".") \
             from exc
     return plt
+
+
+def _plot_text(text) -> str:
+    """Text shown literally in a matplotlib figure: ``$`` would start mathtext.
+
+    A speaker named ``$x$`` would be typeset as math, and ``a$b`` (one dollar)
+    or ``$\\frac$`` makes ``savefig`` raise; ``\\$`` is a literal dollar.
+    """
+    return str(text).replace("$", r"\$")
 
 
 def close_figure(figure) -> None:
@@ -322,17 +437,19 @@ def plot_turn_scores(attribution, path=None, *, dpi=120):
         ax.plot([int(true_step)], [scores[int(true_step)]], marker="v", color=ANNOTATED_COLOUR,
                 markersize=11, linestyle="none", label=f"annotated: turn {true_step}")
     ax.plot([], [], color=BLAMED_COLOUR, linewidth=3,
-            label=f"blamed: turn {step} ({attribution.agent})")
+            label=_plot_text(f"blamed: turn {step} ({attribution.agent})"))
     ax.axhline(0, color="#8c959f", linewidth=0.6)
     speakers = list(attribution.speakers) or [""] * n
     if n <= 40:
         ax.set_xticks(np.arange(n))
-        ax.set_xticklabels([f"{t} {s[:14]}" for t, s in enumerate(speakers)], rotation=60,
+        ax.set_xticklabels([_plot_text(f"{t} {s[:14]}") for t, s in enumerate(speakers)],
+                           rotation=60,
                            ha="right", fontsize=7)
     ax.set_xlabel("turn")
     ax.set_ylabel("probe score")
     ident = attribution.record_id or attribution.task_id or ""
-    ax.set_title(f"Per-turn scores {ident} (site {attribution.site})".strip(), fontsize=10)
+    ax.set_title(_plot_text(f"Per-turn scores {ident} (site {attribution.site})".strip()),
+                 fontsize=10)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     if path is not None:
@@ -389,16 +506,16 @@ def plot_site_scores(attributor, path=None, *, dpi=120):
         xs = [sites.index(rows[i]) for i in idx]
         label = "mean ± sd over inner folds" + (f" ({key})" if key else "")
         ax.errorbar(xs, mean[idx], yerr=std[idx], fmt="o-", color=colours[j % len(colours)],
-                    ecolor="#8c959f", capsize=2, markersize=4, label=label,
+                    ecolor="#8c959f", capsize=2, markersize=4, label=_plot_text(label),
                     alpha=1.0 if key == chosen_key else 0.45)
     marked = [i for i, k in enumerate(keys) if k == chosen_key and rows[i] in chosen]
     if marked:
         what = "+".join(s for s in chosen if s is not None)
         ax.plot([sites.index(rows[i]) for i in marked], mean[marked], marker="*",
                 markersize=15, color=BLAMED_COLOUR, linestyle="none",
-                label=f"chosen: {what}" + (f" ({chosen_key})" if chosen_key else ""))
+                label=_plot_text(f"chosen: {what}" + (f" ({chosen_key})" if chosen_key else "")))
     ax.set_xticks(x)
-    ax.set_xticklabels(sites, rotation=60, ha="right", fontsize=7)
+    ax.set_xticklabels([_plot_text(s) for s in sites], rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("step accuracy (inner CV)")
     ax.set_title("Site search", fontsize=10)
     ax.legend(fontsize=8, loc="best")

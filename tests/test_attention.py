@@ -6,15 +6,15 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers.masking_utils")
 
-from skafa.llm import _attention as attn
 from skafa.llm import (
     BANDED_SDPA,
     banded_sdpa_attention_forward,
     banded_sliding_window_attention,
+    extract_activations,
+    forward_flops,
     has_sliding_window,
 )
-from skafa.llm import forward_flops
-from skafa.llm import extract_activations
+from skafa.llm import _attention as attn
 from skafa.testing import make_tiny_gemma3, make_tiny_llama
 
 WINDOW = 16
@@ -196,8 +196,7 @@ def test_kv_cache_appends_equal_eager(spy):
     """A long first append (empty cache) runs banded; the short continuation dense."""
     from transformers import DynamicCache
 
-    from skafa.llm import SiteReader
-    from skafa.llm import decoder_layout
+    from skafa.llm import SiteReader, decoder_layout
 
     ids = _ids((1, 5 * WINDOW + 3), seed=4)
     first, second = ids[:, : 4 * WINDOW], ids[:, 4 * WINDOW:]

@@ -17,12 +17,16 @@ from skafa.attributor import (
     AttributionReport,
     FailureAttributor,
 )
-from skafa.llm import TurnActivationTransformer
+from skafa.llm import (
+    PromptTemplate,
+    TurnActivationTransformer,
+    register_model,
+    smollm2_available,
+    unregister_model,
+)
 from skafa.metrics import BootstrapResult
-from skafa.llm import register_model, smollm2_available, unregister_model
-from skafa.persistence import save
-from skafa.llm import PromptTemplate
 from skafa.model_selection import SiteSelector
+from skafa.persistence import save
 from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
 
 MODEL = "attributor-tiny"

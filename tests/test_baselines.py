@@ -388,7 +388,7 @@ def test_dummy_in_grouped_cross_validation():
 def test_logistic_probe_on_position_beats_first_dummy():
     from sklearn.pipeline import Pipeline
 
-    from skafa.probes import _probes as estimators
+    from skafa import probes as estimators
 
     train, y_train = synthetic(40, seed=0)
     test, y_test = synthetic(30, seed=1)

@@ -5,9 +5,13 @@ import numpy as np
 import pytest
 import torch
 
+from skafa.llm import (
+    ActivationCache,
+    TurnActivationTransformer,
+    extract_activations,
+    shared_memory_cache,
+)
 from skafa.llm import _extraction as extraction
-from skafa.llm import ActivationCache, shared_memory_cache
-from skafa.llm import TurnActivationTransformer, extract_activations
 from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
 
 #: Documented tolerance of bfloat16 compute against float32, per site: the relative

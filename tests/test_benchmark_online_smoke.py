@@ -7,6 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from skafa.benchmarks import POSITION_AUDITOR, paired_online
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -76,12 +78,12 @@ def test_benchmark_online_paired_and_rescore(tmp_path):
     y = np.array(result["y_true"])
     groups = np.array(result["task_ids"], dtype=object)
     P = np.array(result["predictions"]["auditor (hazard)"])
-    same = bench.paired(P, P, y, groups, n_resamples=50, seed=0)
+    same = paired_online(P, P, y, groups, n_resamples=50, seed=0)
     assert all(r == {"estimate": 0.0, "low": 0.0, "high": 0.0} for r in same.values())
-    key = f"auditor (hazard) - {bench.POSITION}"
+    key = f"auditor (hazard) - {POSITION_AUDITOR}"
     s = result["summary"]
     for metric in ("Exact-F1", "Step-Acc", "FAR"):
-        want = s["auditor (hazard)"][metric]["estimate"] - s[bench.POSITION][metric]["estimate"]
+        want = s["auditor (hazard)"][metric]["estimate"] - s[POSITION_AUDITOR][metric]["estimate"]
         assert result["paired"][key][metric]["estimate"] == pytest.approx(want)
     path = out / "online_smoke_synthetic.json"
     md_before = (out / "online_smoke_synthetic.md").read_text()

@@ -7,6 +7,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from skafa.benchmarks import (
+    AUTO,
+    judge_cache_head,
+    mi4afa_activations,
+    mi4afa_setup,
+    preregistered_deviations,
+    preregistered_names,
+)
+from skafa.configurations import PREREGISTERED_READS
+
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "benchmark_who_and_when.py"
 
 
@@ -44,6 +54,9 @@ def test_benchmark_smoke(tmp_path):
     assert np.asarray(saved["predictions"]["probe"]).shape == (1, 40)
     md = (tmp_path / "out" / "smoke_synthetic.md").read_text()
     assert "| probe |" in md and "Paired differences" in md
+    assert "| lenient step acc % (Who&When script) |" in md   # beside the exact one
+    assert saved["summary"]["probe"]["lenient_step_accuracy"]["estimate"] >= \
+        saved["summary"]["probe"]["step_accuracy"]["estimate"]
     # The judge's scores are cached conversation by conversation, as they come.
     assert len(list((tmp_path / "cache" / "judge").glob("*.json"))) == 40
     # A second run reads activations and judge scores from the cache: no forward pass.
@@ -87,22 +100,22 @@ def test_preregistered_benchmark_smoke(tmp_path):
     result = bench.main(["--smoke", "--preregistered", "--reads", "last", "recap",
                          "--peer-n", "1", "--out", str(tmp_path / "out"),
                          "--cache-dir", str(tmp_path / "cache")])
-    names = bench.prereg_names(("last", "recap"))
+    names = preregistered_names(("last", "recap"))
     assert len(names) == 18 and names[0] == "last: logistic/single/acts"
     summary = result["summary"]
-    for name in [*names, bench.AUTO, "position-only", "TF-IDF",
+    for name in [*names, AUTO, "position-only", "TF-IDF",
                  "mi4afa ProbeAttributor (ag2 1.2.1)"]:
         assert summary[name]["n"] == 40, name
     # the rule chose, in each outer fit, one of the pre-registered configurations
-    chosen = [c["chosen"] for c in result["choices"] if c["method"] == bench.AUTO]
+    chosen = [c["chosen"] for c in result["choices"] if c["method"] == AUTO]
     assert len(chosen) == 2 and set(chosen) <= set(names)
     # and its predictions are exactly that configuration's on those folds
-    P = np.asarray(result["predictions"][bench.AUTO])
+    P = np.asarray(result["predictions"][AUTO])
     assert P.shape == (1, 40) and (P >= 0).all()
-    assert f"{bench.AUTO} - mi4afa ProbeAttributor (ag2 1.2.1)" in result["paired"]
+    assert f"{AUTO} - mi4afa ProbeAttributor (ag2 1.2.1)" in result["paired"]
     assert result["mi4afa"]["cost"]["skafa"]["n"] == 1
     md = (tmp_path / "out" / "prereg_smoke_synthetic.md").read_text()
-    assert bench.AUTO in md and "fixed configuration: recap: stack" in md
+    assert AUTO in md and "fixed configuration: recap: stack" in md
     for baseline in ("| position-only |", "| TF-IDF |", "| dummy: first |",
                      "| mi4afa ProbeAttributor (ag2 1.2.1) |"):
         assert baseline in md, baseline            # every baseline has its row
@@ -114,16 +127,15 @@ def test_preregistered_benchmark_smoke(tmp_path):
 
 def test_prereg_deviations_name_the_dtype():
     """A cell run in another dtype says so, as a deviation that can change choices."""
-    import argparse
+    from skafa.benchmarks import BenchmarkSettings
 
-    bench = _load()
-    base = dict(reads=list(bench.PREREG_READS), no_stack=False, sites="stride:3", folds=5,
+    base = dict(reads=list(PREREGISTERED_READS), no_stack=False, sites="stride:3", folds=5,
                 inner_folds=5, repeats=3, limit=None, judge_from=None, no_judge=False,
                 no_mi4afa=False)
-    assert bench.prereg_deviations(argparse.Namespace(**base, dtype="float32")) == []
-    args = argparse.Namespace(**base, dtype="bfloat16")
+    assert preregistered_deviations(BenchmarkSettings(**base, dtype="float32")) == []
+    args = BenchmarkSettings(**base, dtype="bfloat16")
     for choice_only in (False, True):
-        (dev,) = bench.prereg_deviations(args, choice_only=choice_only)
+        (dev,) = preregistered_deviations(args, choice_only=choice_only)
         assert dev.startswith("model in bfloat16 instead of float32")
 
 
@@ -166,27 +178,6 @@ def test_preregistered_benchmark_resume(tmp_path):
         bench.main([*argv, "--sites", "resid_final"])
 
 
-@pytest.mark.parametrize("estimator", ["logistic", "softmax"])
-def test_shared_single_and_top_equals_separate_selection(estimator):
-    """The benchmark fits configurations 1/3 (and 5/7 ...) together: same result as apart."""
-    from test_selection import make_sites
-
-    bench = _load()
-    X, y = make_sites(60, n_sites=5, signal=1.0, seed=3)
-    groups = np.asarray(X.task_ids, dtype=object)
-    train, test = np.arange(45), np.arange(45, 60)
-    Xtr, Xte, ytr = X[train], X[test], y[train]
-    kw = dict(Cs=(0.01, 0.1, 1.0), sites=None, inner=3, n_jobs=1, random_state=0,
-              estimator=estimator)
-    shared = bench.select_single_and_top(Xtr, ytr, groups[train], Xte, n_sites=3, **kw)
-    for k in (1, 3):
-        C, sel, score = bench.select_C_and_site(Xtr, ytr, groups[train], n_sites=k, **kw)
-        pred, s, info = shared[k]
-        assert (C, score) == (info["C"], s)
-        assert info["sites"] == list(getattr(sel, "best_sites_", [sel.best_site_]))[:k]
-        np.testing.assert_array_equal(pred, sel.predict(Xte))
-
-
 def test_mi4afa_runs_on_a_tokenizer_without_chat_template():
     """A base model's tokenizer has no chat template, which mi4afa's prompt needs: mi4afa
     gets a copy rendering skafa's plain text (the caller's tokenizer is left alone)."""
@@ -197,12 +188,11 @@ def test_mi4afa_runs_on_a_tokenizer_without_chat_template():
     from skafa.llm._prompt import _plain_text
     from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
 
-    bench = _load()
     tok = copy.deepcopy(make_tiny_tokenizer())
     tok.chat_template = None
     convs = make_conversations(3, seed=2)
     template = PromptTemplate(shorten="middle_first", max_prompt_tokens=2048)
-    ext, peer_convs, n_extra = bench.mi4afa_setup(make_tiny_llama(max_position_embeddings=4096),
+    ext, peer_convs, n_extra = mi4afa_setup(make_tiny_llama(max_position_embeddings=4096),
                                                   tok, convs, template, [0], 2)
     assert tok.chat_template is None and ext.tokenizer is not tok and n_extra == 0
     for pc, conv in zip(peer_convs, convs):
@@ -222,16 +212,15 @@ def test_mi4afa_activations_float32_and_keyed_by_dtype(tmp_path):
     from skafa.llm import PromptTemplate
     from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
 
-    bench = _load()
     convs = make_conversations(2, seed=3)
     template = PromptTemplate(shorten="middle_first", max_prompt_tokens=2048)
     model = make_tiny_llama(max_position_embeddings=4096)
     got = {}
     for dtype in ("float32", "bfloat16"):
-        ext, peer_convs, _ = bench.mi4afa_setup(model.to(getattr(torch, dtype)),
+        ext, peer_convs, _ = mi4afa_setup(model.to(getattr(torch, dtype)),
                                                 make_tiny_tokenizer(), convs, template, [0], 2)
-        cold, _, _ = bench.mi4afa_activations(ext, peer_convs, tmp_path, "m", dtype=dtype)
-        warm, _, _ = bench.mi4afa_activations(ext, peer_convs, tmp_path, "m", dtype=dtype)
+        cold, _, _ = mi4afa_activations(ext, peer_convs, tmp_path, "m", dtype=dtype)
+        warm, _, _ = mi4afa_activations(ext, peer_convs, tmp_path, "m", dtype=dtype)
         for a, b in zip(cold, warm):
             assert a.values.dtype == b.values.dtype == torch.float32
             assert torch.equal(a.values, b.values)
@@ -247,12 +236,11 @@ def test_judge_cache_key_names_a_non_float32_dtype():
 
     from skafa.llm import PromptTemplate
 
-    bench = _load()
     judge = types.SimpleNamespace(model_identity_={"kind": "gguf", "file_digest": "d"},
                                   answer_prefix="Step ")
     t = PromptTemplate()
-    f32 = bench.judge_cache_head(judge, argparse.Namespace(model="m", dtype="float32"), t)
-    bf16 = bench.judge_cache_head(judge, argparse.Namespace(model="m", dtype="bfloat16"), t)
+    f32 = judge_cache_head(judge, argparse.Namespace(model="m", dtype="float32"), t)
+    bf16 = judge_cache_head(judge, argparse.Namespace(model="m", dtype="bfloat16"), t)
     assert "dtype" not in f32 and bf16 == {**f32, "dtype": "bfloat16"}
 
 
@@ -399,32 +387,6 @@ def test_prereg_inner_scores_reads_rule_step_one_inputs():
     assert out["mean_inner"] == pytest.approx({"a": 0.4, "b": 0.4})
     assert out["lead"] == pytest.approx(0.1)        # 0.5-0.4 and 0.4-0.3
     assert out["optimism"] == pytest.approx(0.15)   # (0.4-0.3 + 0.4-0.2) / 2
-
-
-@pytest.mark.parametrize("estimator", ["logistic", "softmax"])
-@pytest.mark.parametrize("k", [1, 3])
-def test_site_selector_param_grid_equals_the_benchmark_selection(estimator, k):
-    """SiteSelector(param_grid=...) is configurations 1-8's selection: same C, sites, result."""
-    from sklearn.model_selection import GroupKFold
-    from test_selection import make_sites
-
-    from skafa import SiteSelector
-
-    bench = _load()
-    X, y = make_sites(60, n_sites=5, signal=1.0, seed=3)
-    groups = np.asarray(X.task_ids, dtype=object)
-    train, test = np.arange(45), np.arange(45, 60)
-    Xtr, Xte, ytr = X[train], X[test], y[train]
-    Cs = (0.01, 0.1, 1.0)
-    C, ref, score = bench.select_C_and_site(Xtr, ytr, groups[train], Cs=Cs, sites=None,
-                                            inner=3, n_jobs=1, random_state=0,
-                                            estimator=estimator, n_sites=k)
-    sel = SiteSelector(bench._probe(estimator, 1.0, 0), cv=GroupKFold(3), n_sites=k,
-                       param_grid={"C": list(Cs)}).fit(Xtr, ytr, groups=groups[train])
-    assert sel.best_params_ == {"C": C}
-    assert sel.candidate_scores_[Cs.index(C)] == pytest.approx(score)
-    assert sel.best_sites_ == ref.best_sites_
-    np.testing.assert_array_equal(sel.predict(Xte), ref.predict(Xte))
 
 
 def test_preregistered_judge_store_resumes_without_the_cache(tmp_path):

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from skafa.llm import ActivationCache, MemoryLRU, activation_key, shared_memory_cache
-from skafa.exceptions import CacheCorruptionWarning
 from skafa.conversation import Conversation, Turn
+from skafa.exceptions import CacheCorruptionWarning
+from skafa.llm import ActivationCache, MemoryLRU, activation_key, shared_memory_cache
 
 SITES = ("resid_pre.0", "mlp_in.0", "resid_pre.1", "mlp_in.1", "resid_final")
 

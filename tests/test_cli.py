@@ -132,10 +132,12 @@ def test_benchmark_cross_validated_and_saved(files, model_dir, tmp_path, capsys)
     assert code == EXIT_OK
     printed = capsys.readouterr().out
     assert "probe " in printed and "always step 0" in printed and "[95% CI]" in printed
+    assert "lenient step acc [95% CI]" in printed      # Who&When's own scoring, named
     doc = json.loads(out.read_text())
     assert doc["n"] == 18 and len(doc["predictions"]) == 18
     hits = np.mean([p["step"] == p["true_step"] for p in doc["predictions"]])
     assert doc["results"]["probe"]["step"]["estimate"] == pytest.approx(hits)
+    assert doc["results"]["probe"]["lenient_step"]["estimate"] >= hits
     code = main(["benchmark", str(test), "--attributor", str(model_dir), "--n-resamples", "200",
                  "-q"])
     assert code == EXIT_OK and "saved attributor" in capsys.readouterr().out

@@ -63,15 +63,11 @@ def test_bad_names_and_fixed_parameters_are_refused():
 
 
 def test_the_benchmark_runs_these_definitions():
-    import importlib.util
-    from pathlib import Path
+    from skafa.benchmarks import _who_and_when as bench
+    from skafa.benchmarks import preregistered_names
 
-    script = Path(__file__).resolve().parents[1] / "examples" / "benchmark_who_and_when.py"
-    spec = importlib.util.spec_from_file_location("bench_cfg", script)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.PREREG_PROBES is PREREGISTERED_PROBES
-    assert bench.prereg_names() == configuration_names()
+    assert bench.PREREGISTERED_PROBES is PREREGISTERED_PROBES
+    assert preregistered_names() == configuration_names()
 
 
 def test_failure_attributor_defaults_are_the_recommended_configuration():

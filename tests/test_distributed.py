@@ -18,11 +18,13 @@ joblib = pytest.importorskip("joblib")
 
 from sklearn.model_selection import GroupKFold  # noqa: E402
 
-from skafa.llm import shared_memory_cache  # noqa: E402
 from skafa.conversation import Conversation  # noqa: E402
-from skafa.probes import GroupedArgmaxLogisticClassifier  # noqa: E402
-from skafa.llm import TurnActivationTransformer  # noqa: E402
+from skafa.llm import (
+    TurnActivationTransformer,  # noqa: E402
+    shared_memory_cache,  # noqa: E402
+)
 from skafa.model_selection import SiteSelector  # noqa: E402
+from skafa.probes import GroupedArgmaxLogisticClassifier  # noqa: E402
 from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "benchmark_who_and_when.py"

@@ -51,8 +51,8 @@ def test_every_estimator_is_checked():
 
 
 def test_every_array_check_of_sklearn_has_a_ragged_version():
-    from skafa.utils.sklearn_compat import yield_api_checks
     from skafa.utils.estimator_checks import make_turn_features  # noqa: F401
+    from skafa.utils.sklearn_compat import yield_api_checks
 
     ragged = {c.__name__ for c in RAGGED_CHECKS}
     assert set(SKLEARN_ARRAY_CHECKS.values()) <= ragged

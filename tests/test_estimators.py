@@ -1,4 +1,4 @@
-"""Tests for skafa.probes._probes (grouped-argmax probes) and skafa.compose.PerTurn."""
+"""Tests for skafa.probes (grouped-argmax probes) and skafa.compose.PerTurn."""
 
 import warnings
 

@@ -176,31 +176,22 @@ def test_compare_dtypes_on_tiny_model(tmp_path, capsys):
         script.relative_errors(a, a[:1])
 
 
-def test_benchmark_dtype_forward_on_tiny_model(capsys):
-    import copy
-
-    import torch
-
-    from skafa.llm import register_model, unregister_model
+def test_benchmark_dtype_on_tiny_model(tmp_path, capsys):
     from skafa.testing import make_tiny_llama, make_tiny_tokenizer
 
-    script = _load("benchmark_dtype_forward")
-    model = make_tiny_llama()
-    register_model("tiny-fwd-f32", model, make_tiny_tokenizer(), overwrite=True)
-    register_model("tiny-fwd-bf16", copy.deepcopy(model).to(torch.bfloat16),
-                   make_tiny_tokenizer(), overwrite=True)
-    threads = torch.get_num_threads()
-    try:
-        rows = script.main(["--model", "tiny-fwd-f32", "--bfloat16-model", "tiny-fwd-bf16",
-                            "--tokens", "64", "--repeats", "2"])
-        # interleaved: float32, bfloat16, float32, bfloat16
-        assert [d for d, _ in rows] == ["float32", "bfloat16"] * 2
-        assert all(s > 0 for _, s in rows)
-        assert "64 tokens, bfloat16:" in capsys.readouterr().out
-        # a registered float32 model cannot stand in for bfloat16 (its dtype is its weights')
-        with pytest.raises(ValueError, match="dtype"):
-            script.main(["--model", "tiny-fwd-f32", "--tokens", "8", "--repeats", "1"])
-    finally:
-        torch.set_num_threads(threads)
-        unregister_model("tiny-fwd-f32")
-        unregister_model("tiny-fwd-bf16")
+    script = _load("benchmark_dtype")
+    folder = tmp_path / "tiny"  # a path: each dtype is loaded in a worker process of its own
+    make_tiny_llama().save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    out = tmp_path / "dtype.md"
+    res = script.main(["--model", str(folder), "--tokens", "40", "--repeats", "2",
+                       "--sites", "all", "--out", str(out)])
+    # interleaved repeats, one time per dtype and repeat
+    assert [len(res["times"][d]) for d in ("float32", "bfloat16")] == [2, 2]
+    assert all(s > 0 for d in res["times"] for s in res["times"][d])
+    assert res["errors"].shape == (res["info"]["float32"]["n_tokens"], len(res["sites"]))
+    assert 0 < res["errors"].max() < 0.05  # bf16 moves vectors, a little
+    report = out.read_text()
+    assert "| bfloat16 |" in report and report in capsys.readouterr().out
+    assert "s per 1,000 tokens" in report and "| resid_final |" in report
+    assert all(res["info"][d]["load_hwm"] > 0 for d in res["info"])

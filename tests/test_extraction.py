@@ -13,15 +13,21 @@ import pytest
 import torch
 from sklearn.base import clone
 
-from skafa.llm import _extraction as extraction
-from skafa.exceptions import CacheCorruptionWarning
-from skafa.llm import shared_memory_cache
 from skafa.conversation import Conversation, Turn
-from skafa.llm import TurnActivationTransformer, extract_activations
+from skafa.exceptions import CacheCorruptionWarning
 from skafa.features import TurnFeatures
-from skafa.llm import register_model, unregister_model
-from skafa.llm import PromptTemplate
-from skafa.llm import all_sites, decoder_layout, parse_site
+from skafa.llm import (
+    PromptTemplate,
+    TurnActivationTransformer,
+    all_sites,
+    decoder_layout,
+    extract_activations,
+    parse_site,
+    register_model,
+    shared_memory_cache,
+    unregister_model,
+)
+from skafa.llm import _extraction as extraction
 from skafa.testing import (
     make_conversations,
     make_tiny_gemma,

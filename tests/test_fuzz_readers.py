@@ -26,8 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from skafa import TurnFeatures
-from skafa.llm import ActivationCache
 from skafa.exceptions import CacheCorruptionWarning
+from skafa.llm import ActivationCache
 from skafa.utils.fileio import DIGEST_KEY, read_safetensors, write_safetensors
 
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True,

@@ -11,11 +11,10 @@ import torch
 from sklearn.base import clone
 from sklearn.model_selection import GroupKFold, cross_val_score
 
-from skafa.conversation import Conversation, Turn
 from skafa.baselines import PromptedJudge
 from skafa.baselines._judge import greedy_generate, parse_step
-from skafa.llm import register_model
-from skafa.llm import PromptTemplate
+from skafa.conversation import Conversation, Turn
+from skafa.llm import PromptTemplate, register_model
 from skafa.testing import (
     make_conversations,
     make_tiny_gemma3,

@@ -586,3 +586,20 @@ def test_hypothesis_bootstrap_bounds(correct, seed):
     assert res.estimate == np.mean(correct)
     if all(correct) or not any(correct):
         assert res.low == res.high == res.estimate
+
+
+def test_lenient_step_accuracy_is_who_and_when_substring_rule():
+    """Who&When's scorer: str(true) in str(pred); 10 for a true 1 is a hit, 0 for 10 not."""
+    from skafa.metrics import lenient_step_accuracy, lenient_step_matches, step_accuracy
+
+    y_true = [1, 1, 10, 0, 3, 12]
+    y_pred = [1, 10, 1, 10, 4, 112]
+    hits = lenient_step_matches(y_true, y_pred)
+    assert hits.tolist() == [True, True, False, True, False, True]
+    assert lenient_step_accuracy(y_true, y_pred) == pytest.approx(4 / 6)
+    assert step_accuracy(y_true, y_pred) == pytest.approx(1 / 6)
+    rng = np.random.default_rng(0)
+    t, p = rng.integers(0, 30, 200), rng.integers(0, 30, 200)
+    assert lenient_step_accuracy(t, p) >= step_accuracy(t, p)
+    with pytest.raises(ValueError):
+        lenient_step_accuracy([1, 2], [1])

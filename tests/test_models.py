@@ -208,9 +208,10 @@ def test_model_identity(tmp_path, tiny_folder):
     assert ident["kind"] == "gguf" and ident["name"] == "w.gguf" and ident["file_size"] == 104
     assert str(tmp_path) not in json.dumps(ident)  # portable: no absolute path
     f.write_bytes(b"GGUF" + bytes(99) + b"x")
-    assert model_identity(str(f))["file_digest"] != ident["file_digest"]
+    assert model_identity(str(f))["sha256"] != ident["sha256"]
     folder = model_identity(str(tiny_folder))
-    assert folder["kind"] == "folder" and "config.json" in folder["files"]
+    assert folder["kind"] == "folder" and "model.safetensors" in folder["weights"]
+    assert "config.json" not in folder["weights"]
     assert len(folder["config_sha256"]) == 64
     assert model_identity("org/model") == {"kind": "hub", "name": "org/model"}
     tok = make_tiny_tokenizer()

@@ -10,12 +10,20 @@ from sklearn.base import clone
 from sklearn.model_selection import GridSearchCV, GroupKFold, KFold, ShuffleSplit
 
 import skafa
-from skafa.metrics import _metrics as M
-from skafa.llm import shared_memory_cache
 from skafa.conversation import Conversation
-from skafa.llm import TurnActivationTransformer, extract_activations
+from skafa.exceptions import PromptTooLongError
 from skafa.features import TurnFeatures
-from skafa.llm import register_model, unregister_model
+from skafa.llm import (
+    PromptTemplate,
+    TurnActivationTransformer,
+    all_sites,
+    extract_activations,
+    register_model,
+    shared_memory_cache,
+    unregister_model,
+)
+from skafa.llm._prompt import ONLINE_SYSTEM
+from skafa.metrics import _metrics as M
 from skafa.online import (
     AuditSession,
     OnlineAuditor,
@@ -24,10 +32,6 @@ from skafa.online import (
     safe_prefix_protocol,
 )
 from skafa.persistence import load, save
-from skafa.llm._prompt import ONLINE_SYSTEM
-from skafa.llm import PromptTemplate
-from skafa.exceptions import PromptTooLongError
-from skafa.llm import all_sites
 from skafa.testing import (
     make_conversations,
     make_tiny_gemma,

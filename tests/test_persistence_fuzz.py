@@ -24,8 +24,8 @@ from sklearn.base import BaseEstimator
 from sklearn.utils import Bunch
 
 from skafa import GroupedArgmaxLogisticClassifier, TurnFeatures
-from skafa.persistence import _persistence as persistence
 from skafa.persistence import ARRAYS_NAME, JSON_NAME, load, save
+from skafa.persistence import _persistence as persistence
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow,

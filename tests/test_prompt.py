@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from skafa.conversation import Conversation, Turn
+from skafa.exceptions import PromptTooLongError
 from skafa.llm import (
     Encoding,
     PromptPlan,
@@ -18,7 +19,6 @@ from skafa.llm import (
     plan,
     template_uses_date,
 )
-from skafa.exceptions import PromptTooLongError
 from skafa.testing import (
     make_conversations,
     make_tiny_gemma,

@@ -6,11 +6,15 @@ import torch
 from sklearn.base import clone
 
 from skafa.attributor import FailureAttributor
-from skafa.llm import shared_memory_cache
-from skafa.llm import TurnActivationTransformer, extract_activations
-from skafa.llm import register_model, unregister_model
-from skafa.llm import PromptTemplate
-from skafa.llm import decoder_layout
+from skafa.llm import (
+    PromptTemplate,
+    TurnActivationTransformer,
+    decoder_layout,
+    extract_activations,
+    register_model,
+    shared_memory_cache,
+    unregister_model,
+)
 from skafa.testing import (
     make_conversations,
     make_tiny_llama,

@@ -11,13 +11,19 @@ from sklearn.base import clone
 
 from skafa import GroupedArgmaxLogisticClassifier, SiteSelector
 from skafa.attributor import FailureAttributor
-from skafa.llm import activation_key, shared_memory_cache
 from skafa.conversation import Conversation, Turn
-from skafa.llm import TurnActivationTransformer
-from skafa.llm import register_model, unregister_model
-from skafa.llm import PromptTemplate, encode, plan
 from skafa.exceptions import PromptTooLongError
-from skafa.llm import decoder_layout
+from skafa.llm import (
+    PromptTemplate,
+    TurnActivationTransformer,
+    activation_key,
+    decoder_layout,
+    encode,
+    plan,
+    register_model,
+    shared_memory_cache,
+    unregister_model,
+)
 from skafa.testing import (
     make_conversations,
     make_tiny_gemma,

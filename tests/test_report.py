@@ -1,6 +1,7 @@
 """Tests for skafa.report: the HTML attribution report (checked in headless Chromium) and PNGs."""
 
 import html
+import html.parser
 import json
 import re
 import shutil
@@ -227,3 +228,197 @@ def test_blamed_turn_is_highlighted_in_headless_chromium(attribution, tmp_path):
     target = np.array(_rgb(BLAMED_COLOUR))
     near = np.abs(pixels - target).max(axis=-1) <= 6
     assert near.sum() > 500, "the blamed highlight colour is not on the rendered page"
+
+
+# ------------------------------------------------------- the debugging page
+def _summary(page):
+    """The top summary: from ``id="summary"`` to the score strip."""
+    return page.split('id="summary"')[1].split('id="strip-panel"')[0]
+
+
+def test_summary_at_the_top_names_blamed_runner_ups_and_annotated(attribution):
+    page = attribution.to_html()
+    speakers = attribution.speakers
+    proba = attribution.turn_probabilities
+    # the summary and the strip come first, before the task, the table and the transcript
+    order = [page.index(k) for k in ('id="summary"', 'id="score-strip"', "<h2>Task",
+                                     'id="runner-ups"', "<h2>Transcript")]
+    assert order == sorted(order)
+    summary = _summary(page)
+    blamed = summary.split('id="blamed-summary"')[1].split('id="annotated-summary"')[0]
+    assert f'<a href="#turn-{attribution.step}">turn {attribution.step}</a>' in blamed
+    assert html.escape(attribution.agent) in blamed
+    assert f"{attribution.probability:.3f}" in blamed
+    # runner-ups: the next turns by descending probability, each with its probability
+    runners = summary.split('id="runner-ups-summary"')[1]
+    steps = [int(t) for t in re.findall(r'<li data-step="(\d+)">', runners)]
+    expected = [t for t in np.argsort(-attribution.turn_scores, kind="stable")
+                if t != attribution.step][:4]
+    assert steps == expected and len(steps) == min(4, attribution.n_turns - 1)
+    shown = [float(p) for p in re.findall(r'<span class="p">([0-9.]+)</span>', runners)]
+    assert shown == sorted(shown, reverse=True)
+    np.testing.assert_allclose(shown, proba[steps], atol=5e-4)
+    assert shown[0] <= attribution.probability
+    for t in steps:
+        assert html.escape(speakers[t]) in runners.split(f'data-step="{t}"')[1].split("</li>")[0]
+    # the annotated turn, and that the blame missed it
+    truth = summary.split('id="annotated-summary"')[1].split('id="runner-ups-summary"')[0]
+    t = attribution.true_step
+    assert f'<a href="#turn-{t}">turn {t}</a>' in truth
+    assert html.escape(attribution.true_agent) in truth
+    assert f"missed by {abs(t - attribution.step)} turn" in truth
+
+
+def test_summary_says_when_the_blame_hit_and_when_there_is_no_label(attribution):
+    import dataclasses
+
+    hit = dataclasses.replace(attribution, true_step=attribution.step,
+                              true_agent=attribution.agent)
+    truth = _summary(attribution_html(hit)).split('id="annotated-summary"')[1]
+    assert "the blame hit it" in truth and "missed by" not in truth
+    unknown = dataclasses.replace(attribution, true_step=None, true_agent=None)
+    truth = _summary(attribution_html(unknown)).split('id="annotated-summary"')[1] \
+        .split('id="runner-ups-summary"')[0]
+    assert '<div class="big">none</div>' in truth and "not known" in truth
+    assert "href" not in truth and "missed by" not in truth and "hit it" not in truth
+    cells = re.findall(r'<a class="(cell[^"]*)"', attribution_html(unknown))
+    assert len(cells) == attribution.n_turns and not [c for c in cells if "annotated" in c]
+
+
+def test_score_strip_has_one_linked_cell_per_turn(attribution):
+    page = attribution.to_html()
+    strip = page.split('id="score-strip"')[1].split("</nav>")[0]
+    cells = re.findall(r'<a class="(cell[^"]*)" href="#turn-(\d+)"[^>]*>'
+                       r'<span class="bar" style="height:([0-9.]+)px;background:(#[0-9a-f]{6})',
+                       strip)
+    n = attribution.n_turns
+    assert [int(t) for _, t, _, _ in cells] == list(range(n))
+    assert len(re.findall(r"<a ", strip)) == n
+    ids = set(re.findall(r'<section class="[^"]*" id="(turn-\d+)"', page))
+    assert {f"turn-{t}" for _, t, _, _ in cells} == ids  # every link lands on a turn
+    classes = [c.split() for c, _, _, _ in cells]
+    assert [t for t, c in enumerate(classes) if "blamed" in c] == [attribution.step]
+    assert [t for t, c in enumerate(classes) if "annotated" in c] == [attribution.true_step]
+    # height and colour follow the score
+    heights = np.array([float(h) for _, _, h, _ in cells])
+    scores = attribution.turn_scores
+    assert np.all(np.diff(heights[np.argsort(scores)]) >= 0)
+    assert heights[np.argmax(scores)] > heights[np.argmin(scores)]
+    assert cells[int(np.argmax(scores))][3] == score_colour(1.0)
+    assert cells[int(np.argmin(scores))][3] == score_colour(0.0)
+
+
+class _Tags(html.parser.HTMLParser):
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.tags, self.attrs = set(), []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.add(tag)
+        self.attrs.extend((tag, k, v or "") for k, v in attrs)
+
+    handle_startendtag = handle_starttag
+
+
+#: What the report itself writes; anything else would come from the data.
+_REPORT_TAGS = {"html", "head", "meta", "title", "style", "body", "h1", "h2", "div", "code", "a",
+                "span", "ol", "li", "nav", "table", "tr", "th", "td", "pre", "section", "b", "p"}
+_HOSTILE = [
+    '<script>alert(1)</script>', '"><script>alert(1)</script>', "'><img src=x onerror=alert(1)>",
+    '<img src=x onerror="alert(1)">', '<svg onload=alert(1)>', '" onmouseover="alert(1)" x="',
+    "' onfocus='alert(1)' autofocus='", '<a href="javascript:alert(1)">x</a>',
+    '<iframe src="https://evil.example"></iframe>', '<style>body{display:none}</style>',
+    '</pre></section><script>alert(1)</script>', '<!-- --><script>x</script>',
+    '<body onload=alert(1)>', '<link rel=stylesheet href=//evil.example/x.css>',
+    '<meta http-equiv="refresh" content="0;url=https://evil.example">', "&lt;b&gt; &amp;",
+    '<object data="x.swf"></object>', "turn-0\" id=\"summary",
+]
+
+
+@pytest.mark.parametrize("payload", _HOSTILE)
+def test_hostile_text_makes_no_tags_scripts_or_handlers(attribution, payload):
+    import dataclasses
+
+    conv = attribution.conversation
+    turns = [Turn(payload + t.speaker, payload + t.content, t.role) for t in conv.turns]
+    hostile = Conversation(turns, task=payload, expected_answer=payload, task_id=payload,
+                           mistake_step=conv.mistake_step, mistake_agent=payload,
+                           record_id=payload)
+    att = dataclasses.replace(attribution, conversation=hostile, agent=payload, site=payload,
+                              speakers=tuple(t.speaker for t in turns), true_agent=payload,
+                              task_id=payload, record_id=payload)
+    page = attribution_html(att)
+    parser = _Tags()
+    parser.feed(page)
+    assert parser.tags <= _REPORT_TAGS, parser.tags - _REPORT_TAGS
+    assert "<script" not in page.lower()
+    assert not [a for a in parser.attrs if a[1].startswith("on")]
+    assert all(v.startswith("#") for tag, k, v in parser.attrs if k in ("href", "src"))
+    assert [v for tag, k, v in parser.attrs if k == "id"].count("summary") == 1
+    assert all("url(" not in v for tag, k, v in parser.attrs if k == "style")
+    assert html.escape(payload) in page
+
+
+def test_page_has_no_script_and_no_event_handler_attributes(attribution):
+    parser = _Tags()
+    page = attribution.to_html()
+    parser.feed(page)
+    assert "script" not in parser.tags and "<script" not in page.lower()
+    assert not [a for a in parser.attrs if a[1].startswith("on")]
+    assert not re.search(r"<[a-z][^>]*\son[a-z]+\s*=", page, re.I)
+
+
+_CLICK_PROBE = """<script>
+window.addEventListener('load', () => setTimeout(() => {
+const info = () => {
+  const t = document.querySelector(':target'), panel = document.getElementById('strip-panel');
+  return {hash: location.hash, target: t ? t.id : null,
+          shadow: t ? getComputedStyle(t).boxShadow : null,
+          top: t ? t.getBoundingClientRect().top : null, scrollY: window.scrollY,
+          stripBottom: panel.getBoundingClientRect().bottom, height: window.innerHeight};
+};
+const cells = [...document.querySelectorAll('#score-strip a.cell')];
+const out = {loaded: info(), cells: cells.map(a => {
+  const r = a.getBoundingClientRect();
+  return {hash: a.hash, lands: !!document.getElementById(a.hash.slice(1)), w: r.width, h: r.height};
+})};
+cells[CLICK].click();
+out.clicked = info();
+const pre = document.createElement('pre'); pre.id = 'probe';
+pre.textContent = JSON.stringify(out); document.body.appendChild(pre);
+}, 100));
+</script></body>"""
+
+
+def test_strip_jumps_to_a_turn_in_headless_chromium(attribution, tmp_path):
+    binary = _chromium()
+    n, page = attribution.n_turns, attribution.to_html()
+    load = attribution.true_step
+    click = 0 if load != 0 else n - 1  # far from the loaded turn: the click must scroll
+    args = ("--virtual-time-budget=2000", "--window-size=1200,500")
+    # The real page (its CSP on): opened at #turn-K, the turn is there and nothing ran.
+    real = tmp_path / "report.html"
+    real.write_text(page, encoding="utf-8")
+    dom = _run_chromium(binary, tmp_path, *args, "--dump-dom",
+                        real.as_uri() + f"#turn-{load}").stdout
+    assert f'id="turn-{load}"' in dom and "<script" not in dom
+    # A copy with a measuring script that also clicks a bar of the strip.
+    probe_page = re.sub(r'<meta http-equiv="Content-Security-Policy"[^>]*>', "", page)
+    probe_page = probe_page.replace("</body>", _CLICK_PROBE.replace("CLICK", str(click)))
+    probe = tmp_path / "probe.html"
+    probe.write_text(probe_page, encoding="utf-8")
+    dom = _run_chromium(binary, tmp_path, *args, "--dump-dom",
+                        probe.as_uri() + f"#turn-{load}").stdout
+    match = re.search(r'<pre id="probe">(.*?)</pre>', dom, re.S)
+    assert match, "Chromium did not run the measuring script"
+    out = json.loads(html.unescape(match.group(1)))
+    assert [c["hash"] for c in out["cells"]] == [f"#turn-{t}" for t in range(n)]
+    assert all(c["lands"] and c["w"] >= 4 and c["h"] >= 20 for c in out["cells"]), out["cells"]
+    for key, turn in (("loaded", load), ("clicked", click)):
+        got = out[key]
+        assert got["hash"] == f"#turn-{turn}" and got["target"] == f"turn-{turn}", got
+        assert got["shadow"] not in (None, "none"), got  # the :target ring is drawn
+        # in view, below the sticky strip (unless the page ends before it can scroll there)
+        assert got["top"] < got["height"], got
+        assert got["top"] >= got["stripBottom"] - 1 or got["scrollY"] == 0, got
+    assert out["clicked"]["scrollY"] != out["loaded"]["scrollY"]

@@ -16,7 +16,7 @@ from skafa import (
     TurnFeatures,
 )
 from skafa.persistence import load, save
-from skafa.probes._probes import _softmax_objective
+from skafa.probes._softmax import _softmax_objective
 
 
 def listwise_data(n, *, n_turns=6, n_features=4, seed=0, offset_scale=3.0, signal=1.5,

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from skafa import TurnFeatures
-from skafa.testing import make_conversations
 from skafa.features import agents_at
+from skafa.testing import make_conversations
 from skafa.utils.validation import mean_hits
 
 

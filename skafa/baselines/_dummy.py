@@ -17,15 +17,16 @@ from sklearn.base import BaseEstimator
 from sklearn.utils import check_random_state, metadata_routing
 from sklearn.utils.validation import check_is_fitted
 
+from ..base import DecisiveStepMixin
 from ..conversation import check_conversations
-from ..features import TurnFeatures, agents_at, check_turn_features
+from ..features import TurnFeatures, check_turn_features
 from ..utils.sklearn_compat import (
     Interval,
     StrOptions,
     check_sample_weight,
     fit_context,
 )
-from ..utils.validation import check_steps, mean_hits
+from ..utils.validation import check_steps
 
 __all__ = ["DummyStepClassifier"]
 
@@ -40,7 +41,7 @@ def _relative_bins(steps, n_turns, n_bins):
     return np.minimum(bins, n_bins - 1)
 
 
-class DummyStepClassifier(BaseEstimator):
+class DummyStepClassifier(DecisiveStepMixin, BaseEstimator):
     """Predict the decisive step by a rule that reads no content.
 
     The floor a failure-attribution model has to beat. Works on a list of
@@ -209,20 +210,12 @@ class DummyStepClassifier(BaseEstimator):
             return rng.randint(0, n_turns).astype(np.int64)
         return self._deterministic_steps(n_turns).astype(np.int64)
 
-    def predict_agent(self, X):
-        """Speaker of the predicted turn of each conversation.
+    def _check_decisive_input(self, X):
+        # the DecisiveStepMixin hook: conversations or TurnFeatures
+        return X if isinstance(X, TurnFeatures) else list(X)
 
-        Parameters
-        ----------
-        X : list of Conversation or TurnFeatures
-            A TurnFeatures must carry ``speakers``.
-
-        Returns
-        -------
-        agents : ndarray of object, shape (n_conversations,)
-        """
-        steps = self.predict(X)
-        return agents_at(X if isinstance(X, TurnFeatures) else list(X), steps)
+    def _check_decisive_steps(self, y, X):
+        return self._check_y(X, y, self._turn_counts(X))
 
     def turn_predict_proba(self, X):
         """Probability that each turn is the predicted one.
@@ -267,24 +260,6 @@ class DummyStepClassifier(BaseEstimator):
         """
         return self.turn_predict_proba(X)
 
-    def score(self, X, y, sample_weight=None):
-        """Step accuracy of :meth:`predict` on ``X``.
-
-        Parameters
-        ----------
-        X : list of Conversation or TurnFeatures
-        y : array-like of int, shape (n_conversations,)
-        sample_weight : array-like of shape (n_conversations,), default=None
-            Conversation weights (a weighted mean of hits).
-
-        Returns
-        -------
-        accuracy : float
-        """
-        steps = self.predict(X)
-        y = self._check_y(X, y, self._turn_counts(X))
-        return mean_hits(steps == y, sample_weight)
-
     def expected_accuracy(self, X, y):
         """Expected step accuracy over the strategy's randomness.
 
@@ -309,8 +284,5 @@ class DummyStepClassifier(BaseEstimator):
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
-        tags.estimator_type = None  # deliberately not a classifier: see Notes
-        tags.target_tags.required = True
-        tags.input_tags.two_d_array = False
         tags.non_deterministic = self.strategy == "uniform"
         return tags

@@ -45,6 +45,7 @@ from ..llm import (
     verify_saved_model,
 )
 from ..persistence import PersistenceMixin
+from ..utils.progress import log
 from ..utils.sklearn_compat import Interval, StrOptions, fit_context
 from ..utils.validation import (
     check_steps,
@@ -481,8 +482,10 @@ class PromptedJudge(PersistenceMixin, BaseEstimator):
         Generation budget in ``mode="generate"`` and :meth:`generate_report`.
     device : str, default="cpu"
         Torch device to load the model on.
-    dtype : str, default="float32"
-        Torch dtype to load the model in.
+    dtype : str, default="auto"
+        Torch dtype to load the model in; ``"auto"`` is bfloat16 on CUDA and on
+        CPUs with native bfloat16 units, else float32
+        (:func:`skafa.llm.resolve_dtype`; the result is ``dtype_``).
     batch_size : int, default=1
         Number of conversations per forward pass (left-padded together;
         conversations are sorted by length first to reduce padding).
@@ -495,6 +498,8 @@ class PromptedJudge(PersistenceMixin, BaseEstimator):
         The template used.
     context_length_ : int
         Maximum number of tokens the model accepts.
+    dtype_ : str
+        The dtype ``dtype`` resolved to, used from then on.
     model_identity_ : dict
         What the ``model`` string refers to (:func:`skafa.llm.model_identity`).
     model_fingerprint_ : dict
@@ -564,7 +569,7 @@ class PromptedJudge(PersistenceMixin, BaseEstimator):
         mode="logprob",
         max_new_tokens=8,
         device="cpu",
-        dtype="float32",
+        dtype="auto",
         batch_size=1,
         verbose=0,
     ):
@@ -603,7 +608,8 @@ class PromptedJudge(PersistenceMixin, BaseEstimator):
     def _load(self):
         from ..llm import load_model
 
-        return load_model(self.model, device=self.device, dtype=self.dtype)
+        return load_model(self.model, device=self.device,
+                          dtype=getattr(self, "dtype_", self.dtype))
 
     # ------------------------------------------------------------------ fit
     @fit_context(prefer_skip_nested_validation=True)
@@ -629,8 +635,9 @@ class PromptedJudge(PersistenceMixin, BaseEstimator):
         if y is not None:
             _check_steps(y, convs)
         self.prompt_ = self._resolve_prompt()
-        from ..llm import context_length, model_fingerprint, model_identity
+        from ..llm import context_length, model_fingerprint, model_identity, resolve_dtype
 
+        self.dtype_ = resolve_dtype(self.dtype, self.device, model=self.model)
         lm, _ = self._load()
         self.context_length_ = int(context_length(lm))
         self.model_identity_ = model_identity(self.model)
@@ -645,7 +652,7 @@ class PromptedJudge(PersistenceMixin, BaseEstimator):
         from ..llm import check_fits
 
         enc = self.prompt_.encode(conv, tokenizer, chat_template_kwargs=self.chat_template_kwargs,
-                                  index=index)
+                                  index=index, max_tokens=self.context_length_)
         check_fits(enc, self.context_length_, index, conv)
         if enc.n_tokens + extra_tokens > self.context_length_:
             budget = self.context_length_ - extra_tokens
@@ -684,11 +691,8 @@ class PromptedJudge(PersistenceMixin, BaseEstimator):
     def _log(self, start, done, total, batch, convs, n_tokens):
         if self.verbose > 0:
             ids = ", ".join(str(convs[i].record_id or i) for i in batch)
-            print(
-                f"[PromptedJudge] {done}/{total} conversations ({ids}): "
-                f"{max(n_tokens)} tokens, {time.perf_counter() - start:.2f} s",
-                flush=True,
-            )
+            log(self, 1, f"{done}/{total} conversations ({ids}): "
+                         f"{max(n_tokens)} tokens, {time.perf_counter() - start:.2f} s")
 
     # ------------------------------------------------------------------ logprob mode
     def _logprob_scores(self, convs):

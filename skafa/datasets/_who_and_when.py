@@ -24,6 +24,8 @@ from sklearn.utils import Bunch
 
 from ..conversation import Conversation
 from ..exceptions import ConversationError
+from ..utils.fileio import read_regular_file
+from ..utils.progress import say
 
 __all__ = [
     "SUBSETS",
@@ -161,14 +163,34 @@ def _json_files(folder: Path) -> list:
 
 
 # --------------------------------------------------------------------- loading
+def _refuse_constant(name):
+    raise ValueError(f"{name} is not a JSON value (a record holds text and numbers)")
+
+
 def _read_json(file: Path):
+    """One JSON file as Python data; anything wrong with it is a ConversationError.
+
+    Regular files only, read at most their size (:func:`read_regular_file`);
+    ``NaN``/``Infinity``, integers of more digits than Python converts, and
+    nesting too deep to parse are refused naming the file, never raised as a
+    bare ``ValueError`` or ``RecursionError`` that ``strict=False`` cannot skip.
+    """
     try:
-        with open(file, encoding="utf-8") as fh:
-            return json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise ConversationError(f"{file}: not valid JSON ({exc}).") from exc
+        raw = read_regular_file(file)
+    except ValueError as exc:  # a device, FIFO or folder behind the name
+        raise ConversationError(str(exc)) from None
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConversationError(f"{file}: not UTF-8 text ({exc}).") from exc
+        raise ConversationError(f"{file}: not UTF-8 text ({exc}).") from None
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as exc:
+        raise ConversationError(f"{file}: not valid JSON ({exc}).") from None
+    except RecursionError:
+        raise ConversationError(f"{file}: not valid JSON (nested too deeply).") from None
+    except ValueError as exc:  # a 5,000-digit integer, NaN or Infinity
+        raise ConversationError(f"{file}: not valid JSON ({str(exc)[:200]}).") from None
 
 
 def _plan(path: Path, subset):
@@ -213,8 +235,15 @@ def _records_of(subset_name, source: Path):
         files = _json_files(source)
         if not files:
             raise FileNotFoundError(f"no *.json record files in {source}.")
+        first = {}  # record id -> the file that gave it
         for file in files:
             record_id = f"{subset_name}/{file.stem}"
+            if record_id in first:  # 1.json and 1.JSON: one id, two records
+                yield record_id, str(file), ConversationError(
+                    f"{file}: gives the record id {record_id!r}, as {first[record_id].name} "
+                    "does; rename one of them (record ids must be unique).")
+                continue
+            first[record_id] = file
             try:
                 yield record_id, str(file), _read_json(file)
             except ConversationError as exc:
@@ -234,7 +263,8 @@ def _records_of(subset_name, source: Path):
         yield f"{subset_name}/{i}", f"{source}[{i}]", record
 
 
-def load_who_and_when(path=None, subset=None, *, return_X_y=False, strict=True, verbose=0):
+def load_who_and_when(path=None, subset=None, *, return_X_y=False, strict=True, verbose=0,
+                      labelled=True):
     """Load a local copy of the Who&When benchmark.
 
     Read more in the dataset description (``DESCR`` of the result).
@@ -263,6 +293,13 @@ def load_who_and_when(path=None, subset=None, *, return_X_y=False, strict=True, 
         listed in ``skipped`` and summarised in one ``UserWarning``.
     verbose : int, default=0
         Print one line per subset when > 0, and every skipped file when > 1.
+    labelled : {True, "auto", False}, default=True
+        ``True``: every record must carry ``mistake_step`` and
+        ``mistake_agent`` (the benchmark). ``"auto"``: a record whose labels
+        are null or absent loads as an *unlabelled* conversation
+        (``mistake_step`` None; ``-1`` in ``mistake_steps``), e.g. new failed
+        runs to attribute. ``False``: labels are ignored. See
+        :meth:`skafa.Conversation.from_who_and_when`.
 
     Returns
     -------
@@ -273,7 +310,8 @@ def load_who_and_when(path=None, subset=None, *, return_X_y=False, strict=True, 
             One per record, ordered by subset, then numeric record id
             (``"10"`` after ``"9"``; non-numeric ids after numeric ones, by name).
         mistake_steps : ndarray of int64, shape (n_records,)
-            The decisive turn of each conversation.
+            The decisive turn of each conversation; ``-1`` for an unlabelled
+            one (scikit-learn's marker of unlabelled samples).
         mistake_agents : ndarray of object, shape (n_records,)
             The annotated responsible agent (see the dataset description).
         task_ids : ndarray of object, shape (n_records,)
@@ -322,7 +360,8 @@ def load_who_and_when(path=None, subset=None, *, return_X_y=False, strict=True, 
             try:
                 if isinstance(record, ConversationError):
                     raise record
-                conv = Conversation.from_who_and_when(record, record_id=record_id)
+                conv = Conversation.from_who_and_when(record, record_id=record_id,
+                                                      labelled=labelled)
             except ConversationError as exc:
                 message = str(exc)
                 if not message.startswith(where):
@@ -333,16 +372,14 @@ def load_who_and_when(path=None, subset=None, *, return_X_y=False, strict=True, 
                     ) from exc
                 skipped.append((where, message))
                 if verbose > 1:
-                    print(f"skipped {message}")
+                    say("load_who_and_when", f"skipped {message}")
                 continue
             conversations.append(conv)
             record_ids.append(record_id)
             subsets.append(subset_name)
         if verbose > 0:
-            print(
-                f"[load_who_and_when] {subset_name}: {len(conversations) - n_before} records "
-                f"from {source} ({len(skipped) - n_skipped_before} skipped)"
-            )
+            say("load_who_and_when", f"{subset_name}: {len(conversations) - n_before} records "
+                f"from {source} ({len(skipped) - n_skipped_before} skipped)")
     if skipped:
         files = "; ".join(f for f, _ in skipped[:5]) + ("; ..." if len(skipped) > 5 else "")
         warnings.warn(
@@ -356,7 +393,8 @@ def load_who_and_when(path=None, subset=None, *, return_X_y=False, strict=True, 
             f"no valid Who&When records in {path}; all {len(skipped)} were malformed: "
             + "; ".join(reason for _, reason in skipped[:3])
         )
-    mistake_steps = np.array([c.mistake_step for c in conversations], dtype=np.int64)
+    mistake_steps = np.array([-1 if c.mistake_step is None else c.mistake_step
+                              for c in conversations], dtype=np.int64)
     task_ids = np.array([c.task_id for c in conversations], dtype=object)
     if return_X_y:
         return conversations, mistake_steps, task_ids
@@ -383,7 +421,7 @@ def _is_present(folder: Path, subset) -> bool:
 
 def _download(url, dest: Path, timeout, verbose):
     if verbose > 0:
-        print(f"[fetch_who_and_when] downloading {url} ...")
+        say("fetch_who_and_when", f"downloading {url} ...")
     request = urllib.request.Request(url, headers={"User-Agent": "skafa"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response, open(dest, "wb") as fh:
@@ -515,6 +553,6 @@ def fetch_who_and_when(data_home=None, *, subset=None, download_if_missing=True,
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         if verbose > 0:
-            print(f"[fetch_who_and_when] saved to {folder}")
+            say("fetch_who_and_when", f"saved to {folder}")
     return load_who_and_when(folder, subset, return_X_y=return_X_y, strict=strict,
                              verbose=verbose)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 from ..conversation import Conversation
@@ -86,6 +87,47 @@ def get_field(obj: Any, key: str, default: Any = None) -> Any:
     if isinstance(obj, Mapping):
         return obj.get(key, default)
     return getattr(obj, key, default)
+
+
+@contextmanager
+def reading(where: str):
+    """Turn any error raised while reading one item into a ConversationError naming it.
+
+    Every adapter reads each event, span or message inside ``with reading(...)``,
+    so malformed input never escapes as a bare ``KeyError``, ``TypeError``,
+    ``AttributeError`` or ``RecursionError`` from deep inside (which callers and
+    ``strict=False`` loops cannot tell from a bug); ``where`` names the trace and
+    the item.
+    """
+    try:
+        yield
+    except ConversationError:
+        raise
+    except RecursionError:
+        raise ConversationError(f"{where}: nested too deeply to be read.") from None
+    except ValueError as exc:  # a reader's own check, or int("x")
+        raise ConversationError(f"{where}: {str(exc)[:300]}.") from None
+    except (KeyError, TypeError, AttributeError, IndexError, OverflowError) as exc:
+        raise ConversationError(
+            f"{where}: malformed ({type(exc).__name__}: {str(exc)[:200]}).") from None
+
+
+def tool_call_list(calls: Any, where: str) -> Sequence:
+    """The tool calls of one message, refused when they are not a list of calls."""
+    if calls is None:
+        return ()
+    if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
+        raise ConversationError(f"{where}: the tool calls must be a list of calls, got "
+                                f"{type(calls).__name__} {str(calls)[:60]!r}.")
+    return calls
+
+
+def tool_call_name(name: Any, where: str, j: int) -> str:
+    """The name of tool call ``j``; a call without a text name is refused."""
+    if not isinstance(name, str) or not name.strip():
+        raise ConversationError(f"{where}: tool call {j} has no name (got {str(name)[:60]!r}); "
+                                "a call without a name cannot be a turn.")
+    return name
 
 
 def check_message_list(messages: Any, where: str, on_unknown: str) -> None:

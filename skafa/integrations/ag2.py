@@ -80,7 +80,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from ..conversation import Conversation, Turn
 from ..exceptions import ConversationError
-from ._common import TraceConversation, as_text
+from ._common import TraceConversation, as_text, reading
 
 __all__ = [
     "TraceConversation",
@@ -273,7 +273,8 @@ def conversation_from_trace(
                                 "attribute.")
     turns, indices, unknown = [], [], {}
     for i, event in enumerate(events):
-        turn = _event_turn(event, agent_name, subagents, tool_calls)
+        with reading(f"{where}: event {i} ({type(event).__name__})"):
+            turn = _event_turn(event, agent_name, subagents, tool_calls)
         if turn is NotImplemented:
             if on_unknown == "error":
                 raise ConversationError(

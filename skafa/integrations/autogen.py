@@ -46,7 +46,15 @@ from __future__ import annotations
 
 from ..conversation import Turn
 from ..exceptions import ConversationError
-from ._common import as_text, check_message_list, finish_conversation, get_field
+from ._common import (
+    as_text,
+    check_message_list,
+    finish_conversation,
+    get_field,
+    reading,
+    tool_call_list,
+    tool_call_name,
+)
 
 __all__ = ["conversation_from_autogen"]
 
@@ -121,48 +129,59 @@ def conversation_from_autogen(
     turns, indices, unknown = [], [], {}
     first_user = None
     for i, msg in enumerate(messages):
-        kind = _type_of(msg)
-        if kind in _SKIP:
-            continue
-        if kind not in _TEXT and kind not in ("ToolCallRequestEvent", "ToolCallExecutionEvent"):
-            if on_unknown == "error":
-                raise ConversationError(
-                    f"{where}: message {i} has type {kind!r}, which conversation_from_autogen "
-                    "does not know; pass on_unknown='skip' to skip such messages.")
-            unknown.setdefault(kind, []).append(i)
-            continue
-        source = get_field(msg, "source")
-        if not isinstance(source, str) or not source.strip():
-            raise ConversationError(f"{where}: message {i} ({kind}) has no 'source'.")
-        content = get_field(msg, "content")
-        if kind == "ToolCallRequestEvent":
-            for call in content or ():
-                turns.append(Turn(source, f"call {get_field(call, 'name')}"
-                                          f"({as_text(get_field(call, 'arguments', '{}'))})",
-                                  "tool_call"))
-                indices.append(i)
-        elif kind == "ToolCallExecutionEvent":
-            for result in content or ():
-                name = get_field(result, "name") or "tool"
-                text = as_text(get_field(result, "content", ""))
-                if get_field(result, "is_error", False):
-                    turns.append(Turn(f"tool:{name}", f"error in {name}: {text}",
-                                      "tool_error"))
-                else:
-                    turns.append(Turn(f"tool:{name}", text, "tool"))
-                indices.append(i)
-        else:
-            text = _content_text(content)
-            if kind == "HandoffMessage" and get_field(msg, "target"):
-                text = f"{text}\n[hands off to {get_field(msg, 'target')}]"
-            role = "thought" if kind == "ThoughtEvent" else (
-                "user" if source == "user" else "assistant")
-            turns.append(Turn(source, text, role))
-            indices.append(i)
-            if first_user is None and source == "user":
-                first_user = text
+        with reading(f"{where}: message {i}"):
+            first_user = _read_message(i, msg, where, turns, indices, unknown, first_user,
+                                       on_unknown)
     return finish_conversation(
         turns, indices, unknown=unknown, n_messages=len(messages), where=where,
         task=first_user or "" if task is None else task, expected_answer=expected_answer,
         source="autogen-agentchat", task_id=task_id, mistake_step=mistake_step,
         mistake_agent=mistake_agent, record_id=record_id)
+
+
+def _read_message(i, msg, where, turns, indices, unknown, first_user, on_unknown):
+    """Append the turns of message ``i``; return the first user text seen so far."""
+    kind = _type_of(msg)
+    if kind in _SKIP:
+        return first_user
+    if kind not in _TEXT and kind not in ("ToolCallRequestEvent", "ToolCallExecutionEvent"):
+        if on_unknown == "error":
+            raise ConversationError(
+                f"{where}: message {i} has type {kind!r}, which conversation_from_autogen "
+                "does not know; pass on_unknown='skip' to skip such messages.")
+        unknown.setdefault(kind, []).append(i)
+        return first_user
+    source = get_field(msg, "source")
+    if not isinstance(source, str) or not source.strip():
+        raise ConversationError(f"{where}: message {i} ({kind}) has no 'source'.")
+    content = get_field(msg, "content")
+    if kind == "ToolCallRequestEvent":
+        # a string, a dict or a number where the call list belongs, or a call
+        # without a name, is refused: never a turn "call None({})"
+        for j, call in enumerate(tool_call_list(content, f"{where}: message {i}")):
+            name = tool_call_name(get_field(call, "name"), f"{where}: message {i}", j)
+            turns.append(Turn(source, f"call {name}"
+                                      f"({as_text(get_field(call, 'arguments', '{}'))})",
+                              "tool_call"))
+            indices.append(i)
+    elif kind == "ToolCallExecutionEvent":
+        for result in tool_call_list(content, f"{where}: message {i}"):
+            name = get_field(result, "name") or "tool"
+            text = as_text(get_field(result, "content", ""))
+            if get_field(result, "is_error", False):
+                turns.append(Turn(f"tool:{name}", f"error in {name}: {text}",
+                                  "tool_error"))
+            else:
+                turns.append(Turn(f"tool:{name}", text, "tool"))
+            indices.append(i)
+    else:
+        text = _content_text(content)
+        if kind == "HandoffMessage" and get_field(msg, "target"):
+            text = f"{text}\n[hands off to {get_field(msg, 'target')}]"
+        role = "thought" if kind == "ThoughtEvent" else (
+            "user" if source == "user" else "assistant")
+        turns.append(Turn(source, text, role))
+        indices.append(i)
+        if first_user is None and source == "user":
+            first_user = text
+    return first_user

@@ -50,6 +50,9 @@ from ._common import (
     check_message_list,
     finish_conversation,
     get_field,
+    reading,
+    tool_call_list,
+    tool_call_name,
 )
 
 __all__ = ["conversation_from_langgraph"]
@@ -67,16 +70,22 @@ def _fields(msg):
     return getattr(msg, "type", type(msg).__name__), msg
 
 
-def _tool_calls(data):
-    """``(name, arguments text)`` of every tool call of an AI message."""
-    calls = get_field(data, "tool_calls") or []
+def _tool_calls(data, where):
+    """``(name, arguments text)`` of every tool call of an AI message.
+
+    ``tool_calls`` that is not a list, or a call without a name, is refused
+    (a ConversationError naming the message), never turned into ``call None({})``.
+    """
+    calls = tool_call_list(get_field(data, "tool_calls"), where)
     out = []
-    for call in calls:
+    for j, call in enumerate(calls):
         fn = get_field(call, "function")
         if fn is not None:  # OpenAI shape: {"function": {"name", "arguments"}}
-            out.append((get_field(fn, "name"), as_text(get_field(fn, "arguments", "{}"))))
+            out.append((tool_call_name(get_field(fn, "name"), where, j),
+                        as_text(get_field(fn, "arguments", "{}"))))
         else:  # LangChain shape: {"name", "args", "id"}
-            out.append((get_field(call, "name"), as_text(get_field(call, "args", {}))))
+            out.append((tool_call_name(get_field(call, "name"), where, j),
+                        as_text(get_field(call, "args", {}))))
     return out
 
 
@@ -142,49 +151,58 @@ def conversation_from_langgraph(
     turns, indices, unknown = [], [], {}
     first_human = None
     for i, msg in enumerate(messages):
-        kind, data = _fields(msg)
-        kind = str(kind).lower().removesuffix("messagechunk").removesuffix("message")
-        if kind.endswith("chunk"):
-            kind = kind[: -len("chunk")]
-        name = get_field(data, "name")
-        name = name if isinstance(name, str) and name.strip() else None
-        text = blocks_text(get_field(data, "content"))
-        if kind == "human":
-            turns.append(Turn(name or "human", text, "user"))
-            indices.append(i)
-            first_human = text if first_human is None else first_human
-        elif kind == "ai":
-            speaker = name or agent_name
-            if text.strip():
-                turns.append(Turn(speaker, text, "assistant"))
-                indices.append(i)
-            for tool, args in _tool_calls(data):
-                turns.append(Turn(speaker, f"call {tool}({args})", "tool_call"))
-                indices.append(i)
-        elif kind in ("tool", "function"):
-            tool = name or "tool"
-            if get_field(data, "status") == "error":
-                turns.append(Turn(f"tool:{tool}", f"error in {tool}: {text}", "tool_error"))
-            else:
-                turns.append(Turn(f"tool:{tool}", text, "tool"))
-            indices.append(i)
-        elif kind == "chat":
-            role = get_field(data, "role")
-            speaker = name or (role if isinstance(role, str) and role.strip() else "chat")
-            turns.append(Turn(speaker, text, role if isinstance(role, str) else None))
-            indices.append(i)
-        elif kind == "system":
-            if include_system:
-                turns.append(Turn("system", text, "system"))
-                indices.append(i)
-        elif on_unknown == "error":
-            raise ConversationError(
-                f"{where}: message {i} has type {kind!r}, which conversation_from_langgraph "
-                "does not know; pass on_unknown='skip' to skip such messages.")
-        else:
-            unknown.setdefault(kind, []).append(i)
+        with reading(f"{where}: message {i}"):
+            first_human = _read_message(i, msg, where, turns, indices, unknown, first_human,
+                                        agent_name, include_system, on_unknown)
     return finish_conversation(
         turns, indices, unknown=unknown, n_messages=len(messages), where=where,
         task=first_human or "" if task is None else task, expected_answer=expected_answer,
         source="langgraph", task_id=task_id, mistake_step=mistake_step,
         mistake_agent=mistake_agent, record_id=record_id)
+
+
+def _read_message(i, msg, where, turns, indices, unknown, first_human, agent_name,
+                  include_system, on_unknown):
+    """Append the turns of message ``i``; return the first human text seen so far."""
+    kind, data = _fields(msg)
+    kind = str(kind).lower().removesuffix("messagechunk").removesuffix("message")
+    if kind.endswith("chunk"):
+        kind = kind[: -len("chunk")]
+    name = get_field(data, "name")
+    name = name if isinstance(name, str) and name.strip() else None
+    text = blocks_text(get_field(data, "content"))
+    if kind == "human":
+        turns.append(Turn(name or "human", text, "user"))
+        indices.append(i)
+        first_human = text if first_human is None else first_human
+    elif kind == "ai":
+        speaker = name or agent_name
+        if text.strip():
+            turns.append(Turn(speaker, text, "assistant"))
+            indices.append(i)
+        for tool, args in _tool_calls(data, f"{where}: message {i}"):
+            turns.append(Turn(speaker, f"call {tool}({args})", "tool_call"))
+            indices.append(i)
+    elif kind in ("tool", "function"):
+        tool = name or "tool"
+        if get_field(data, "status") == "error":
+            turns.append(Turn(f"tool:{tool}", f"error in {tool}: {text}", "tool_error"))
+        else:
+            turns.append(Turn(f"tool:{tool}", text, "tool"))
+        indices.append(i)
+    elif kind == "chat":
+        role = get_field(data, "role")
+        speaker = name or (role if isinstance(role, str) and role.strip() else "chat")
+        turns.append(Turn(speaker, text, role if isinstance(role, str) else None))
+        indices.append(i)
+    elif kind == "system":
+        if include_system:
+            turns.append(Turn("system", text, "system"))
+            indices.append(i)
+    elif on_unknown == "error":
+        raise ConversationError(
+            f"{where}: message {i} has type {kind!r}, which conversation_from_langgraph "
+            "does not know; pass on_unknown='skip' to skip such messages.")
+    else:
+        unknown.setdefault(kind, []).append(i)
+    return first_human

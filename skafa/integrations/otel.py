@@ -59,28 +59,38 @@ from collections.abc import Mapping, Sequence
 
 from ..conversation import Conversation, Turn
 from ..exceptions import ConversationError
-from ._common import TraceConversation, as_text, blocks_text
+from ._common import TraceConversation, as_text, blocks_text, reading
 
 __all__ = ["conversation_from_otel_spans"]
 
 _LLM_OPS = {"chat", "text_completion", "generate_content"}
+#: Deepest nesting of OTLP ``arrayValue``/``kvlistValue`` read (GenAI attributes nest
+#: a few levels); deeper input is refused rather than recursed into.
+_MAX_VALUE_DEPTH = 64
 _AGENT_OPS = {"invoke_agent", "create_agent"}
 
 
-def _otlp_value(value):
-    """Decode an OTLP/JSON ``AnyValue``."""
+def _otlp_value(value, depth=0):
+    """Decode an OTLP/JSON ``AnyValue``; entries without ``key`` are refused."""
     if not isinstance(value, Mapping):
         return value
+    if depth > _MAX_VALUE_DEPTH:
+        raise ValueError(f"an attribute value nests more than {_MAX_VALUE_DEPTH} "
+                                "arrayValue/kvlistValue levels")
     for key in ("stringValue", "boolValue", "doubleValue"):
         if key in value:
             return value[key]
     if "intValue" in value:
         return int(value["intValue"])
     if "arrayValue" in value:
-        return [_otlp_value(v) for v in value["arrayValue"].get("values", [])]
+        return [_otlp_value(v, depth + 1) for v in value["arrayValue"].get("values", [])]
     if "kvlistValue" in value:
-        return {kv["key"]: _otlp_value(kv.get("value")) for kv in value["kvlistValue"].get(
-            "values", [])}
+        out = {}
+        for kv in value["kvlistValue"].get("values", []):
+            if not isinstance(kv, Mapping) or not isinstance(kv.get("key"), str):
+                raise ValueError(f"a kvlistValue entry has no 'key' ({str(kv)[:60]})")
+            out[kv["key"]] = _otlp_value(kv.get("value"), depth + 1)
+        return out
     return None
 
 
@@ -90,19 +100,49 @@ def _attributes(raw):
     if isinstance(raw, Mapping):
         return dict(raw)
     if isinstance(raw, Sequence) and not isinstance(raw, (str, bytes)):
-        return {kv["key"]: _otlp_value(kv.get("value")) for kv in raw
-                if isinstance(kv, Mapping) and "key" in kv}
+        out = {}
+        for j, kv in enumerate(raw):
+            if not isinstance(kv, Mapping) or not isinstance(kv.get("key"), str):
+                raise ValueError(f"attribute {j} has no 'key' ({str(kv)[:60]})")
+            out[kv["key"]] = _otlp_value(kv.get("value"))
+        return out
+    if isinstance(raw, (str, bytes, int, float)):
+        raise ValueError(f"its attributes are a {type(raw).__name__}, not a mapping "
+                                "or a list of key/value entries")
     return dict(raw)  # e.g. an SDK BoundedAttributes
 
 
-def _flatten(spans):
+def _list_at(value, what, where):
+    """``value``, which must be a list: a string or mapping where a list belongs is refused."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise ConversationError(f"{where}: {what} must be a list, got "
+                                f"{type(value).__name__} {str(value)[:60]!r}.")
+    return value
+
+
+def _mapping_at(value, what, where):
+    if not isinstance(value, Mapping):
+        raise ConversationError(f"{where}: {what} must be an object, got "
+                                f"{type(value).__name__} {str(value)[:60]!r}.")
+    return value
+
+
+def _flatten(spans, where="trace"):
     """Every span of the input, in input order, as dicts or objects."""
     if isinstance(spans, Mapping):
         if "resourceSpans" in spans:
-            return [s for rs in spans["resourceSpans"] for ss in rs.get("scopeSpans", [])
-                    for s in ss.get("spans", [])]
+            out = []
+            for a, rs in enumerate(_list_at(spans["resourceSpans"], "resourceSpans", where)):
+                rs = _mapping_at(rs, f"resourceSpans[{a}]", where)
+                scopes = _list_at(rs.get("scopeSpans", []), f"resourceSpans[{a}].scopeSpans",
+                                  where)
+                for b, ss in enumerate(scopes):
+                    ss = _mapping_at(ss, f"resourceSpans[{a}].scopeSpans[{b}]", where)
+                    out.extend(_list_at(ss.get("spans", []),
+                                        f"resourceSpans[{a}].scopeSpans[{b}].spans", where))
+            return out
         if "spans" in spans:
-            return list(spans["spans"])
+            return list(_list_at(spans["spans"], "'spans'", where))
         raise TypeError("a span document must hold 'resourceSpans' (OTLP/JSON) or 'spans' "
                         "(an ag2 trace file).")
     if isinstance(spans, (str, bytes)) or not isinstance(spans, Sequence):
@@ -111,7 +151,7 @@ def _flatten(spans):
     out = []
     for item in spans:
         if isinstance(item, Mapping) and ("resourceSpans" in item or "spans" in item):
-            out.extend(_flatten(item))
+            out.extend(_flatten(item, where))
         else:
             out.append(item)
     return out
@@ -272,51 +312,58 @@ def conversation_from_otel_spans(
     if tool_calls not in ("tool", "agent"):
         raise ValueError(f"tool_calls must be 'tool' or 'agent', got {tool_calls!r}.")
     subagents = dict(subagents or {})
-    items = _flatten(spans)
+    items = _flatten(spans, where)
     if not items:
         raise ConversationError(f"{where}: there are no spans.")
-    parsed = [_span(item, i, where) for i, item in enumerate(items)]
-    by_id = {p[1]: p for p in parsed if p[1] is not None}
+    parsed = []
+    for i, item in enumerate(items):
+        with reading(f"{where}: span {i}"):
+            parsed.append(_span(item, i, where))
+    by_id = {}
+    for i, p in enumerate(parsed):
+        if p[1] is None:
+            continue
+        if p[1] in by_id:  # which one would be the parent of their children?
+            first = next(j for j, q in enumerate(parsed) if q[1] == p[1])
+            raise ConversationError(f"{where}: spans {first} and {i} have the same span id "
+                                    f"{p[1][:60]!r}; span ids must be unique in a trace.")
+        by_id[p[1]] = p
+
+    def named(name):
+        return isinstance(name, str) and name.strip() and name != "unknown"
+
+    inherited = {}  # span id -> agent name its descendants inherit (memoised: linear)
+
+    def agent_above(parent):
+        """Agent name of the nearest agent span at or above the span ``parent``."""
+        chain, seen, result = [], set(), agent_name
+        while parent is not None:
+            if parent in inherited:
+                result = inherited[parent]
+                break
+            if parent in seen or parent not in by_id:  # a cycle or an unknown parent
+                break
+            seen.add(parent)
+            chain.append(parent)
+            attrs = by_id[parent][4]
+            if named(attrs.get("gen_ai.agent.name")) and _kind(attrs) == "agent":
+                result = attrs["gen_ai.agent.name"]
+                break
+            parent = by_id[parent][2]
+        for span_id in chain:
+            inherited[span_id] = result
+        return result
 
     def agent_of(span):
         """Agent name of a span: its own, else its nearest agent ancestor's."""
-        seen = set()
-        current = span
-        while current is not None:
-            name = current[4].get("gen_ai.agent.name")
-            if isinstance(name, str) and name.strip() and name != "unknown" and (
-                    current is span or _kind(current[4]) == "agent"):
-                return name
-            parent = current[2]
-            if parent is None or parent in seen:
-                return agent_name
-            seen.add(parent)
-            current = by_id.get(parent)
-        return agent_name
+        name = span[4].get("gen_ai.agent.name")
+        return name if named(name) else agent_above(span[2])
 
     order = sorted(range(len(parsed)), key=lambda i: (parsed[i][3], i))
     turns, indices = [], []
     for i in order:
-        name, _, _, _, attrs, status, message = span = parsed[i]
-        kind = _kind(attrs)
-        if kind == "llm":
-            text = _output_text(attrs)
-            if text.strip():
-                turns.append(Turn(agent_of(span), text, "assistant"))
-                indices.append(i)
-        elif kind == "tool":
-            tool = as_text(attrs.get("gen_ai.tool.name") or name.removeprefix("execute_tool ")
-                           or "tool")
-            caller = agent_of(span) if tool_calls == "agent" else f"tool:{tool}"
-            args = as_text(attrs.get("gen_ai.tool.call.arguments", "{}"))
-            turns.append(Turn(caller, f"call {tool}({args})", "tool_call"))
-            indices.append(i)
-            if status == "ERROR":
-                turns.append(Turn(f"tool:{tool}", f"error in {tool}: {message}", "tool_error"))
-            else:
-                result = as_text(attrs.get("gen_ai.tool.call.result", ""))
-                turns.append(Turn(subagents.get(tool) or f"tool:{tool}", result, "tool"))
-            indices.append(i)
+        with reading(f"{where}: span {i}"):
+            _span_turns(i, parsed[i], turns, indices, agent_of, tool_calls, subagents)
     if not turns:
         names = sorted({p[0] for p in parsed})[:10]
         raise ConversationError(
@@ -329,3 +376,27 @@ def conversation_from_otel_spans(
                         task_id=task_id, record_id=record_id,
                         metadata={"source": "opentelemetry"})
     return TraceConversation(conv, tuple(indices))
+
+
+def _span_turns(i, span, turns, indices, agent_of, tool_calls, subagents):
+    """Append the turns span ``i`` gives (none, one, or a tool call and its result)."""
+    name, _, _, _, attrs, status, message = span
+    kind = _kind(attrs)
+    if kind == "llm":
+        text = _output_text(attrs)
+        if text.strip():
+            turns.append(Turn(agent_of(span), text, "assistant"))
+            indices.append(i)
+    elif kind == "tool":
+        tool = as_text(attrs.get("gen_ai.tool.name") or name.removeprefix("execute_tool ")
+                       or "tool")
+        caller = agent_of(span) if tool_calls == "agent" else f"tool:{tool}"
+        args = as_text(attrs.get("gen_ai.tool.call.arguments", "{}"))
+        turns.append(Turn(caller, f"call {tool}({args})", "tool_call"))
+        indices.append(i)
+        if status == "ERROR":
+            turns.append(Turn(f"tool:{tool}", f"error in {tool}: {message}", "tool_error"))
+        else:
+            result = as_text(attrs.get("gen_ai.tool.call.result", ""))
+            turns.append(Turn(subagents.get(tool) or f"tool:{tool}", result, "tool"))
+        indices.append(i)

@@ -54,6 +54,7 @@ import numpy as np
 
 from ..exceptions import CacheCorruptionWarning
 from ..utils.fileio import json_field, read_safetensors, write_safetensors
+from ._reads import READS
 from ._sites import site_depth
 
 __all__ = [
@@ -69,7 +70,9 @@ __all__ = [
 DEFAULT_MEMORY_BYTES = 512 * 1024**2
 
 #: Version of the entry format and of the key recipe. Bump when either changes.
-_FORMAT = "skafa.activations/1"
+#: 2: the model identity in the key holds the sha256 of the whole weights files
+#: (was: size, first and last MiB of a GGUF file; names and sizes of a folder's files).
+_FORMAT = "skafa.activations/2"
 _TENSOR = "activations"
 
 
@@ -149,7 +152,9 @@ def activation_key(*, model_identity, model_fingerprint, dtype, prompt_fingerpri
         "tokenizer": tokenizer_fingerprint,
         "template_date": template_date,
     }
-    if read != "last":
+    if not isinstance(read, str) or read not in READS:
+        raise ValueError(f"read must be one of {tuple(READS)}, got {read!r}.")
+    if READS[read].keyed:  # "last" adds nothing: keys older than reads stay valid
         payload["read"] = str(read)
     return hashlib.sha256(_canonical_json(payload).encode("utf-8")).hexdigest()
 
@@ -534,7 +539,7 @@ def _read_entry(path, key, *, n_turns, hidden_size):
     written before digests existed have none and are refused too (a miss: they are
     recomputed and overwritten).
     """
-    tensors, metadata = read_safetensors(path, require_digest=True)
+    tensors, metadata = read_safetensors(path, require_digest=True, follow_symlinks=False)
     if metadata.get("format") != _FORMAT:
         raise ValueError(f"format {metadata.get('format')!r}, expected {_FORMAT!r}")
     if metadata.get("key") != key:

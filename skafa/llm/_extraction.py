@@ -36,9 +36,9 @@ from ..utils.sklearn_compat import Interval, StrOptions, fit_context
 from ..utils.validation import describe_conversation
 from ._attention import banded_sliding_window_attention
 from ._cache import ActivationCache, activation_key
-from ._models import ModelHandle, verify_saved_model
-from ._prompt import READS as _READ
+from ._models import ModelHandle, resolve_dtype, verify_saved_model
 from ._prompt import PromptTemplate
+from ._reads import READS
 from ._sites import decoder_layout, parse_site, site_depth, validate_sites
 
 __all__ = ["TurnActivationTransformer", "extract_activations", "SiteReader"]
@@ -731,10 +731,13 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
     device : str, default="cpu"
         Torch device, e.g. ``"cuda"`` (first GPU) or ``"cuda:1"``. Not part of the
         cache key. With ``n_jobs``, every worker loads the model on this device.
-    dtype : str or torch.dtype, default="float32"
-        Compute dtype of the model: ``"float32"``, ``"bfloat16"``, ``"float16"``,
-        ``"float64"`` or the torch dtype. Activations are gathered and returned as
-        float32 whatever the compute dtype. Part of the cache key (``"bfloat16"``
+    dtype : str or torch.dtype, default="auto"
+        Compute dtype of the model: ``"auto"`` (bfloat16 on CUDA and on CPUs with
+        native bfloat16 units, else float32; :func:`skafa.llm.resolve_dtype`),
+        ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"float64"`` or the torch
+        dtype. Activations are gathered and returned as float32 whatever the
+        compute dtype. The resolved dtype (``dtype_``) is part of the cache key
+        (``"auto"`` resolved to float32 and ``"float32"`` share entries; ``"bfloat16"``
         and ``torch.bfloat16`` share entries).
     cache_dir : str or path-like, default=None
         Directory of an on-disk activation cache shared across processes.
@@ -771,6 +774,9 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         Features per site (``hidden_size_``).
     model_fingerprint_ : dict
         Architecture fingerprint (:func:`skafa.llm.model_fingerprint`).
+    dtype_ : str
+        The compute dtype ``dtype`` resolved to (:func:`skafa.llm.resolve_dtype`),
+        used from then on, also after :func:`skafa.load` on another machine.
     model_identity_ : dict
         Identity of the weights (:func:`skafa.llm.model_identity`): file digest
         for GGUF files, weights digest for registered models, ...
@@ -815,7 +821,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
     _parameter_constraints: dict = {
         "model": "no_validation",  # checked in fit, with a hint on registering models
         "sites": [None, str, "array-like"],
-        "read": [StrOptions(set(_READ))],
+        "read": [StrOptions(set(READS))],
         "prompt": [PromptTemplate, None],
         "chat_template_kwargs": [Mapping, None],
         "device": [str],
@@ -844,7 +850,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
                 self.tokenizer_fingerprint_ = _tokenizer_fingerprint(checked[1])
 
     def __init__(self, model="smollm2", *, sites=None, read="last", prompt=None,
-                 chat_template_kwargs=None, device="cpu", dtype="float32", cache_dir=None,
+                 chat_template_kwargs=None, device="cpu", dtype="auto", cache_dir=None,
                  memory_cache=True, batch_size=1, n_jobs=None, verbose=0):
         self.model = model
         self.sites = sites
@@ -900,7 +906,8 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
     def _load(self):
         from ._models import load_model
 
-        model, tokenizer = load_model(self.model, device=self.device, dtype=self.dtype)
+        model, tokenizer = load_model(self.model, device=self.device,
+                                      dtype=getattr(self, "dtype_", self.dtype))
         self._model = model
         self._tokenizer = tokenizer
         self._layout = decoder_layout(model)
@@ -948,6 +955,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
                 "and pass the name."
             )
         check_conversations(X, "TurnActivationTransformer")
+        self.dtype_ = resolve_dtype(self.dtype, self.device, model=self.model)
         model = self._load()
         layout = self._layout
         self.n_layers_ = layout.n_layers
@@ -985,12 +993,10 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         return np.asarray([f"x{k}" for k in range(self.hidden_size_)], dtype=object)
 
     def _key(self, conversation, template_date=None):
-        from ._models import _normalise_dtype
-
         return activation_key(
             model_identity=self.model_identity_,
             model_fingerprint=self.model_fingerprint_,
-            dtype=_normalise_dtype(self.dtype),
+            dtype=resolve_dtype(getattr(self, "dtype_", self.dtype), self.device),
             # The prompt of this read and rendering; for read="last"/"mean" through a
             # chat template this is prompt_.fingerprint() (keys written before
             # "recap", "echo" and plain rendering existed stay valid).
@@ -1060,6 +1066,49 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         return TurnFeatures(values, offsets, sites=sites, speakers=speakers,
                             task_ids=[c.task_id for c in X])
 
+    def stream(self, site, *, task, task_id=None, label="TurnStream"):
+        """Start reading a live run at one site, one turn at a time.
+
+        The returned :class:`~skafa.llm.TurnStream` renders the prompt as this
+        extractor does, keeps the model's KV cache between turns (an appended turn
+        costs a forward pass over its own tokens only) and gives one vector per
+        turn, equal to the one :meth:`transform` reads on the whole run (up to
+        float rounding). Used by :class:`skafa.online.AuditSession`.
+
+        Parameters
+        ----------
+        site : str
+            One of the sites this extractor can read (``validate_sites``).
+        task : str
+            The task given to the agents.
+        task_id : str, optional
+            Named in messages.
+        label : str, default="TurnStream"
+            Names the stream in messages.
+
+        Returns
+        -------
+        TurnStream
+            The text before the first turn (system message, task) is already read.
+
+        Raises
+        ------
+        ValueError
+            The prompt is not streamable (``segment_turns=False``, an expected
+            answer, or a read that needs the whole run).
+        """
+        from ._streaming import TurnStream
+
+        check_is_fitted(self, "sites_")
+        self._ensure_loaded()
+        template = self.prompt_
+        [site] = validate_sites([site], self.n_layers_)
+        return TurnStream(self._model, self._tokenizer, SiteReader(self._layout, [site]),
+                          template=template,
+                          read=self.read, chat_template_kwargs=self.chat_template_kwargs,
+                          context_length=self.context_length_, task=task, task_id=task_id,
+                          label=label)
+
     def estimate_cost(self, X, *, calibrate=True):
         """What :meth:`transform` would do on ``X``, and how long it would take.
 
@@ -1081,7 +1130,8 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
             ``n_conversations``, ``n_cached``, ``n_to_extract``,
             ``n_tokens_to_extract``, ``flops_to_extract``, ``tokens_per_s`` and
             ``flops_per_s`` (calibration), ``eta_s``, ``workers`` (joblib's count for
-            ``n_jobs``; the ETA divides by it) and ``summary`` (one line to print).
+            ``n_jobs``; the ETA divides by it) and ``summary`` (one line to print,
+            naming the resolved compute dtype).
         """
         from ._cost import forward_flops, measure_throughput
 
@@ -1103,14 +1153,17 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
             todo.append(i)
         n_tokens = [int(self.prompt_.encode(X[i], self._tokenizer,
                                             chat_template_kwargs=self.chat_template_kwargs,
-                                            index=i, read=self.read).n_tokens) for i in todo]
+                                            index=i, read=self.read,
+                                            max_tokens=self.context_length_).n_tokens)
+                    for i in todo]
         flops = float(np.sum(forward_flops(self._model, n_tokens))) if todo else 0.0
         workers = max(1, _n_workers(self.n_jobs))
         rate = measure_throughput(self._model) if calibrate and todo else None
         eta = None if rate is None else flops / rate["flops_per_s"] / workers
         summary = (f"{len(todo)} of {len(X)} conversations to extract "
                    f"({len(X) - len(todo)} cached), {sum(n_tokens):,} prompt tokens, "
-                   f"{flops / 1e12:.2f} TFLOP")
+                   f"{flops / 1e12:.2f} TFLOP, model in "
+                   f"{resolve_dtype(getattr(self, 'dtype_', self.dtype), self.device)}")
         if rate is not None:
             summary += (f"; calibration {rate['tokens_per_s']:.0f} tokens/s at "
                         f"{rate['n_tokens']} tokens on {self.device}, {workers} worker(s): "
@@ -1131,7 +1184,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
             conv = X[i]
             enc = self.prompt_.encode(conv, self._tokenizer,
                                       chat_template_kwargs=self.chat_template_kwargs, index=i,
-                                      read=self.read)
+                                      read=self.read, max_tokens=self.context_length_)
             check_fits(enc, self.context_length_, i, conv)
             pos = np.asarray(enc.read_positions, dtype=np.int64)
             if pos.shape != (len(conv),):
@@ -1152,9 +1205,10 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
 
         pad = getattr(self._tokenizer, "pad_token_id", None)
         job = {
-            "model": self.model, "device": self.device, "dtype": self.dtype,
+            "model": self.model, "device": self.device,
+            "dtype": getattr(self, "dtype_", self.dtype),
             "identity": self.model_identity_, "fingerprint": self.model_fingerprint_,
-            "sites": sites, "mean": self.read == "mean", "pad": 0 if pad is None else int(pad),
+            "sites": sites, "mean": READS[self.read].rows == "line", "pad": 0 if pad is None else int(pad),
             "batch_size": _check_batch_size(self.batch_size),
             "cache_dir": (None if self.cache_dir is None
                           else os.path.expanduser(os.fspath(self.cache_dir))),

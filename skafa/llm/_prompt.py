@@ -54,10 +54,10 @@ import numpy as np
 from ..conversation import Conversation
 from ..exceptions import PromptTooLongError
 from ..persistence import register_value_codec
+from ._reads import READS
 
 __all__ = [
     "PROMPT_FORMAT_VERSION",
-    "READS",
     "PromptTemplate",
     "Encoding",
     "PromptPlan",
@@ -71,12 +71,7 @@ __all__ = [
 #: whenever the same template settings would render a different prompt.
 PROMPT_FORMAT_VERSION = 1
 
-#: Ways of reading a turn's vector (``read=``); ``"recap"`` and ``"echo"`` change the
-#: prompt (see :func:`encode`), ``"last"`` and ``"mean"`` read the same prompt.
-READS = ("last", "mean", "recap", "echo")
-
-#: Version of the recap and echo layouts; part of the fingerprint for those reads.
-_READ_LAYOUT_VERSION = {"recap": 1, "echo": 1}
+# The reads (``read=``) and what each adds to the prompt are in ``_reads.READS``.
 
 _SHORTEN = ("none", "head_tail", "middle_first")
 _SYSTEM_PLACEMENT = ("system", "user")
@@ -85,7 +80,6 @@ _CHAT_TEMPLATE = ("auto", "tokenizer", "plain")
 #: default is left out of the fingerprint, so keys written before it existed hold.
 _NEW_FIELDS = {"recap_header": "Steps:", "recap_format": "Step {i} ({speaker})",
                "echo_header": "The same conversation again:", "chat_template": "auto"}
-_READ_FIELDS = {"recap": ("recap_header", "recap_format"), "echo": ("echo_header",)}
 _RESERVED_KWARGS = ("messages", "conversation", "tokenize", "add_generation_prompt",
                     "continue_final_message", "return_dict", "tools", "documents")
 
@@ -124,6 +118,39 @@ def _describe(conversation, index=None) -> str:
 
 
 # --------------------------------------------------------------------------- template
+#: The fields each format string of a PromptTemplate may use, and nothing else.
+_FORMAT_FIELDS = {"turn_format": ("i", "speaker", "role", "content"),
+                  "recap_format": ("i", "speaker", "role"),
+                  "marker": ("n",)}
+
+
+def _check_format_fields(name, text, allowed):
+    """Refuse a format string using anything but plain ``{field}`` of ``allowed``.
+
+    A template may come from a saved file: a width (``{i:>900000000}`` allocates
+    gigabytes), a conversion, attribute access (``{speaker.__class__}``) or
+    indexing would let the file decide what formatting computes.
+    """
+    import string
+
+    try:
+        parsed = list(string.Formatter().parse(text))
+    except ValueError as exc:
+        raise ValueError(f"PromptTemplate.{name} {text[:200]!r} is not a valid format: "
+                         f"{exc}.") from None
+    for _, field_name, spec, conversion in parsed:
+        if field_name is None:
+            continue
+        if field_name not in allowed or spec or conversion:
+            shown = "{" + field_name + ("!" + conversion if conversion else "") + (
+                ":" + spec if spec else "") + "}"
+            raise ValueError(
+                f"PromptTemplate.{name} {text[:200]!r} is not a valid format: it uses "
+                f"the field {shown[:200]!r}; only "
+                f"{', '.join('{' + f + '}' for f in allowed)} may be used, without width, "
+                "precision, conversion, attribute access or indexing.")
+
+
 @dataclass(frozen=True)
 class PromptTemplate:
     """How a conversation becomes a judge prompt (immutable, JSON-serialisable).
@@ -273,6 +300,8 @@ class PromptTemplate:
         for name in ("task_header", "turn_format", "marker", "recap_format", "chat_template"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"PromptTemplate.{name} must be a string.")
+        for name, allowed in _FORMAT_FIELDS.items():
+            _check_format_fields(name, getattr(self, name), allowed)
         if self.chat_template not in _CHAT_TEMPLATE:
             raise ValueError(f"PromptTemplate.chat_template must be one of {_CHAT_TEMPLATE}, "
                              f"got {self.chat_template!r}.")
@@ -379,8 +408,8 @@ class PromptTemplate:
             ``chat_template``) are at their defaults has, for ``read="last"``, the
             fingerprint it had before those fields existed.
         """
-        if read not in READS:
-            raise ValueError(f"read must be one of {READS}, got {read!r}.")
+        if not isinstance(read, str) or read not in READS:
+            raise ValueError(f"read must be one of {tuple(READS)}, got {read!r}.")
         if rendering not in (None, "chat", "plain"):
             raise ValueError(f"rendering must be 'chat', 'plain' or None, got {rendering!r}.")
         settings = self.to_dict()
@@ -390,9 +419,10 @@ class PromptTemplate:
             payload["chat_template"] = self.chat_template
         if rendering == "plain" or self.chat_template == "plain":
             payload["rendering"] = "plain"
-        if read in _READ_FIELDS:
-            payload["read_layout"] = {"read": read, "version": _READ_LAYOUT_VERSION[read],
-                                      **{k: settings[k] for k in _READ_FIELDS[read]}}
+        spec = READS[read]
+        if spec.tail is not None:
+            payload["read_layout"] = {"read": read, "version": spec.layout_version,
+                                      **{k: settings[k] for k in spec.fields}}
         if not self.segment_turns:
             payload.pop("segment_turns", None)  # keys of templates older than the field
         canon = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
@@ -494,8 +524,8 @@ class PromptTemplate:
         of every recap line / copied turn line relative to the start of ``tail``
         (``last`` is the character that defines the read position), else ``[]``.
         """
-        if read not in READS:
-            raise ValueError(f"read must be one of {READS}, got {read!r}.")
+        if not isinstance(read, str) or read not in READS:
+            raise ValueError(f"read must be one of {tuple(READS)}, got {read!r}.")
         if contents is None:
             contents = [t.content for t in conversation.turns]
         lines = []
@@ -522,15 +552,16 @@ class PromptTemplate:
         tail, read_spans = "", []
         if self.instruction:
             tail += "\n\n" + self.instruction
-        if read in ("recap", "echo"):
-            header = self.recap_header if read == "recap" else self.echo_header
+        tail_kind = READS[read].tail
+        if tail_kind is not None:
+            header = getattr(self, READS[read].header_field)
             tail += "\n\n"
             if header is not None:
                 tail += header + "\n"
             for i, (turn, (pre, content, post)) in enumerate(zip(conversation.turns, lines)):
                 if i:
                     tail += "\n"
-                if read == "recap":
+                if tail_kind == "recap":
                     line = self.recap_format.format(i=i, speaker=turn.speaker,
                                                     role=turn.role or "")
                     last = len(line) - 1
@@ -575,10 +606,11 @@ class PromptTemplate:
         return "chat"
 
     def encode(self, conversation, tokenizer, *, chat_template_kwargs=None, index=None,
-               read="last"):
+               read="last", max_tokens=None):
         """Render and tokenize ``conversation``; see :func:`encode`."""
         return encode(conversation, tokenizer, template=self,
-                      chat_template_kwargs=chat_template_kwargs, index=index, read=read)
+                      chat_template_kwargs=chat_template_kwargs, index=index, read=read,
+                      max_tokens=max_tokens)
 
 
 # --------------------------------------------------------------------------- encoding
@@ -665,11 +697,8 @@ class Encoding:
         ``"echo"``, :attr:`turn_positions` for ``"last"`` and ``"mean"`` (the
         mean ends there and starts at :attr:`turn_start_positions`).
         """
-        if self.read == "recap":
-            return self.recap_positions
-        if self.read == "echo":
-            return self.echo_positions
-        return self.turn_positions
+        tail = READS[self.read].tail
+        return self.turn_positions if tail is None else getattr(self, f"{tail}_positions")
 
     def __repr__(self):
         extra = "" if self.read == "last" else f", read={self.read!r}"
@@ -743,12 +772,12 @@ def _render(template, conversation, tokenizer, contents, chat_template_kwargs, w
     spans, last_chars = _locate_lines(text, render, messages, lines, tail, conversation,
                                       where, key)
     read_spans = np.asarray(read_spans, dtype=np.int64).reshape(-1, 3)
-    if read in ("recap", "echo"):
+    if READS[read].tail is not None:
         # The recap lines (or the copy) follow the last turn line at offsets known
         # from the layout; check that the rendered text holds exactly that tail.
         anchor = int(spans[-1, 1])
         if text[anchor:anchor + len(tail)] != tail:
-            what = "recap lines" if read == "recap" else "second copy of the turns"
+            what = READS[read].what_plural
             raise ValueError(
                 f"{where}: the instruction and the {what} were not found verbatim right "
                 "after the last turn in the rendered chat template output; the template "
@@ -1003,12 +1032,58 @@ def _warn_special(conversation, tokenizer, where):
             "real special token.", UserWarning, stacklevel=4)
 
 
+#: A prompt with more characters than this many per token of its token limit is
+#: refused (or, with ``shorten="middle_first"``, shortened) *before* it is tokenized:
+#: tokenizers take ~130 bytes of memory per character, so a 40 MB turn would exhaust
+#: memory before a token count could refuse it. Real text averages 3-5 characters per
+#: token; no token of the supported models' vocabularies is longer than 64 characters.
+CHARS_PER_TOKEN_BOUND = 64
+#: The token limit assumed for the character budget when neither the caller
+#: (``max_tokens``), the template (``max_prompt_tokens``) nor the tokenizer
+#: (``model_max_length``) gives one.
+DEFAULT_TOKEN_LIMIT = 131_072
+
+
+class _TooManyCharacters(PromptTooLongError):
+    """The rendered prompt is over the character budget; nothing was tokenized."""
+
+
+def _token_limit(template, tokenizer, max_tokens):
+    """The token limit the character budget is derived from (see CHARS_PER_TOKEN_BOUND)."""
+    limits = [int(m) for m in (max_tokens, template.max_prompt_tokens) if m is not None]
+    if not limits:
+        known = getattr(tokenizer, "model_max_length", None)
+        if isinstance(known, (int, np.integer)) and 0 < known < 10**8:
+            limits.append(int(known))
+    return min(limits) if limits else DEFAULT_TOKEN_LIMIT
+
+
+def _check_characters(text, contents, token_limit, where):
+    """Refuse a rendered prompt over the character budget, before tokenizing it."""
+    budget = CHARS_PER_TOKEN_BOUND * token_limit
+    if len(text) <= budget:
+        return
+    lengths = [len(c) for c in contents]
+    longest = int(np.argmax(lengths)) if lengths else None
+    turn = (f"; turn {longest} is the longest ({lengths[longest]:,} characters)"
+            if longest is not None else "")
+    raise _TooManyCharacters(
+        f"{where}: the prompt has {len(text):,} characters, more than "
+        f"{CHARS_PER_TOKEN_BOUND} per token of its {token_limit:,}-token limit "
+        f"({budget:,} characters), so it cannot fit and was refused before tokenizing"
+        f"{turn}. Shorten that turn, or use PromptTemplate(shorten='head_tail', "
+        "max_turn_chars=...) or shorten='middle_first'.",
+        n_tokens=len(text) // CHARS_PER_TOKEN_BOUND + 1, max_tokens=token_limit)
+
+
 def _encode_contents(template, conversation, tokenizer, contents, removed,
-                     chat_template_kwargs, where, read="last"):
+                     chat_template_kwargs, where, read="last", token_limit=None):
     text, spans, last_chars, read_spans, read_chars, rendering = _render(
         template, conversation, tokenizer, contents, chat_template_kwargs, where, read)
+    if token_limit is not None:
+        _check_characters(text, contents, token_limit, where)
     if template.segment_turns:
-        if read in ("recap", "echo"):
+        if not READS[read].streamable:
             raise ValueError(f"{where}: segment_turns (online auditing) reads turns as "
                              f"they end; read={read!r} needs the whole run.")
         ids, offsets, positions = _tokenize_segments(tokenizer, text, spans, last_chars, where)
@@ -1017,8 +1092,8 @@ def _encode_contents(template, conversation, tokenizer, contents, removed,
     starts = _start_positions(offsets, spans[:, 0], positions)
     removed = np.asarray(removed, dtype=np.int64)
     extra = {}
-    if read in ("recap", "echo"):
-        what = "recap line" if read == "recap" else "copied turn"
+    if READS[read].tail is not None:
+        what = READS[read].what
         read_positions = _char_tokens(offsets, read_chars, where, what,
                                       "make the lines that are read end in distinct tokens.")
         if len(read_positions) and read_positions[0] <= positions[-1]:
@@ -1044,18 +1119,24 @@ def _encode_contents(template, conversation, tokenizer, contents, removed,
 
 
 def _encode(conversation, tokenizer, template, chat_template_kwargs, index, strict=True,
-            read="last"):
-    """Return (encoding, fits_budget). With strict, raise when middle_first cannot fit."""
+            read="last", max_tokens=None):
+    """Return (encoding, fits_budget). With strict, raise when middle_first cannot fit.
+
+    Every prompt is checked against the character budget of
+    :data:`CHARS_PER_TOKEN_BOUND` before it is tokenized.
+    """
     where = _describe(conversation, index)
     originals = [t.content for t in conversation.turns]
     n = len(originals)
+    limit = _token_limit(template, tokenizer, max_tokens)
     if template.shorten == "none":
         return _encode_contents(template, conversation, tokenizer, originals, [0] * n,
-                                chat_template_kwargs, where, read), True
+                                chat_template_kwargs, where, read, limit), True
     if template.shorten == "head_tail":
         pairs = [template._shorten_text(c, template.max_turn_chars) for c in originals]
         return _encode_contents(template, conversation, tokenizer, [p[0] for p in pairs],
-                                [p[1] for p in pairs], chat_template_kwargs, where, read), True
+                                [p[1] for p in pairs], chat_template_kwargs, where, read,
+                                limit), True
 
     # middle_first: largest cap k such that the prompt fits.
     budget = template.max_prompt_tokens
@@ -1063,13 +1144,17 @@ def _encode(conversation, tokenizer, template, chat_template_kwargs, index, stri
     def at(cap):
         pairs = [template._shorten_text(c, cap) for c in originals]
         return _encode_contents(template, conversation, tokenizer, [p[0] for p in pairs],
-                                [p[1] for p in pairs], chat_template_kwargs, where, read)
+                                [p[1] for p in pairs], chat_template_kwargs, where, read,
+                                limit)
 
-    full = _encode_contents(template, conversation, tokenizer, originals, [0] * n,
-                            chat_template_kwargs, where, read)
-    if full.n_tokens <= budget:
+    try:
+        full = _encode_contents(template, conversation, tokenizer, originals, [0] * n,
+                                chat_template_kwargs, where, read, limit)
+    except _TooManyCharacters:
+        full = None  # cannot fit: shorten without tokenizing the whole text
+    if full is not None and full.n_tokens <= budget:
         return full, True
-    lo_enc = at(0)
+    lo_enc = at(0)  # a _TooManyCharacters here means the fixed text alone is too long
     if lo_enc.n_tokens > budget:
         if strict:
             raise PromptTooLongError(
@@ -1081,8 +1166,11 @@ def _encode(conversation, tokenizer, template, chat_template_kwargs, index, stri
     lo, hi = 0, max(len(c) for c in originals)  # at(lo) fits, at(hi) == full does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        enc = at(mid)
-        if enc.n_tokens <= budget:
+        try:
+            enc = at(mid)
+        except _TooManyCharacters:
+            enc = None  # over the character budget: does not fit, nothing tokenized
+        if enc is not None and enc.n_tokens <= budget:
             lo, lo_enc = mid, enc
         else:
             hi = mid
@@ -1090,7 +1178,7 @@ def _encode(conversation, tokenizer, template, chat_template_kwargs, index, stri
 
 
 def encode(conversation, tokenizer, *, template=None, chat_template_kwargs=None, index=None,
-           read="last"):
+           read="last", max_tokens=None):
     """Render ``conversation`` with ``template`` and find every turn's last token.
 
     Parameters
@@ -1114,6 +1202,14 @@ def encode(conversation, tokenizer, *, template=None, chat_template_kwargs=None,
         ``"echo"`` appends the turns a second time and fills
         :attr:`Encoding.echo_positions`. Shortening (``shorten="middle_first"``)
         budgets the whole prompt, recap lines or second copy included.
+    max_tokens : int, optional
+        The token limit the prompt will be checked against (usually the model's
+        context length). Only used, before tokenizing, to refuse a prompt with
+        more than :data:`CHARS_PER_TOKEN_BOUND` characters per token of it (it
+        cannot fit, and tokenizing it could exhaust memory); the exact check
+        is :func:`check_fits`. Default: the smallest of ``max_prompt_tokens``
+        and the tokenizer's ``model_max_length``, else
+        :data:`DEFAULT_TOKEN_LIMIT`.
 
     Returns
     -------
@@ -1129,7 +1225,10 @@ def encode(conversation, tokenizer, *, template=None, chat_template_kwargs=None,
         ``chat_template_kwargs``; unknown ``read``; no chat template with
         ``chat_template="tokenizer"``.
     PromptTooLongError
-        With ``shorten="middle_first"``, when even minimal turns do not fit.
+        With ``shorten="middle_first"``, when even minimal turns do not fit;
+        before tokenizing, when the prompt (after shortening, as the template
+        is configured to) is over the character budget (see ``max_tokens``).
+        The message names the conversation and its longest turn.
 
     Notes
     -----
@@ -1164,12 +1263,13 @@ def encode(conversation, tokenizer, *, template=None, chat_template_kwargs=None,
             "chat_template_kwargs={'date_string': '26 Jul 2024'} (or the variable your "
             "template uses).", UserWarning, stacklevel=2)
     _warn_special(conversation, tokenizer, where)
-    return _encode(conversation, tokenizer, template, kwargs, index, read=read)[0]
+    return _encode(conversation, tokenizer, template, kwargs, index, read=read,
+                   max_tokens=max_tokens)[0]
 
 
 def _check_read(read):
     if not isinstance(read, str) or read not in READS:
-        raise ValueError(f"read must be one of {READS}, got {read!r}.")
+        raise ValueError(f"read must be one of {tuple(READS)}, got {read!r}.")
 
 
 def _check_kwargs(chat_template_kwargs):
@@ -1335,7 +1435,14 @@ def plan(conversations, tokenizer, template=None, *, max_tokens, chat_template_k
         if not isinstance(conv, Conversation):
             raise TypeError(f"{_describe(conv, i)} is a {type(conv).__name__}, not a "
                             "skafa Conversation.")
-        enc, ok = _encode(conv, tokenizer, template, kwargs, i, strict=False, read=read)
+        try:
+            enc, ok = _encode(conv, tokenizer, template, kwargs, i, strict=False, read=read,
+                              max_tokens=max_tokens)
+        except _TooManyCharacters as exc:  # too long to tokenize: a lower bound of n_tokens
+            rows.append({"index": i, "task_id": conv.task_id, "record_id": conv.record_id,
+                         "n_turns": len(conv), "n_tokens": exc.n_tokens, "fits": False,
+                         "chars_removed": 0, "turn_chars_removed": [0] * len(conv)})
+            continue
         rows.append({
             "index": i,
             "task_id": conv.task_id,

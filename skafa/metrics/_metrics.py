@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numbers
 import re
+import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -37,10 +38,13 @@ __all__ = [
     "SCORERS",
     "StepScorer",
     "agent_accuracy",
+    "drop_unlabelled",
     "agent_accuracy_scorer",
     "bootstrap_ci",
     "bootstrap_ci_from_scores",
     "get_step_scorer",
+    "lenient_step_accuracy",
+    "lenient_step_matches",
     "make_step_scorer",
     "mean_absolute_step_shift",
     "normalize_agent",
@@ -66,6 +70,73 @@ def _check_lengths(y_true, *others, names=("y_true", "y_pred")):
             raise ValueError(
                 f"{names[0]} and {name} have different lengths ({n} vs {len(other)})."
             )
+
+
+def _is_unlabelled(step):
+    """An unlabelled conversation's step: None (Conversation.mistake_step) or -1 (arrays)."""
+    if step is None:
+        return True
+    try:
+        return isinstance(step, numbers.Integral) and not isinstance(step, bool) and step == -1
+    except (TypeError, ValueError):
+        return False
+
+
+def drop_unlabelled(y_true, *others):
+    """Drop the conversations without a label, with a warning that counts them.
+
+    Unlabelled runs (``load_who_and_when(..., labelled="auto")``) can be
+    attributed but not scored. The metrics refuse a missing label (``None`` or
+    ``-1``) rather than guess; call this first to score the labelled runs of a
+    mixed set. It warns with the number skipped.
+
+    Parameters
+    ----------
+    y_true : sequence
+        True steps (``None`` or ``-1`` for an unlabelled conversation) or true
+        agents (``None`` for an unlabelled one).
+    *others : sequences of the same length
+        Predictions, turn scores, groups... filtered the same way.
+
+    Returns
+    -------
+    tuple
+        ``y_true`` and each of ``others``, labelled conversations only (the
+        inputs themselves when nothing is unlabelled).
+
+    Raises
+    ------
+    ValueError
+        When every conversation is unlabelled.
+
+    Examples
+    --------
+    >>> import warnings
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore")
+    ...     y, p = drop_unlabelled([0, -1, 2], [0, 1, 1])
+    >>> step_accuracy(y, p)
+    0.5
+    """
+    if isinstance(y_true, (str, bytes)) or not hasattr(y_true, "__len__"):
+        return (y_true, *others)
+    keep = [not _is_unlabelled(v) for v in y_true]
+    if all(keep):
+        return (y_true, *others)
+    n_skipped, n = keep.count(False), len(keep)
+    if n_skipped == n:
+        raise ValueError(f"all {n} conversations are unlabelled (y_true None or -1): there "
+                         "is nothing to score.")
+    warnings.warn(f"skipped {n_skipped} unlabelled conversation(s) of {n} (y_true None or "
+                  f"-1); scoring the {n - n_skipped} labelled ones.", UserWarning,
+                  stacklevel=2)
+    idx = np.flatnonzero(keep)
+    out = []
+    for seq in (y_true, *others):
+        if hasattr(seq, "__len__") and len(seq) == n:
+            seq = seq[idx] if isinstance(seq, np.ndarray) else [seq[i] for i in idx]
+        out.append(seq)
+    return tuple(out)
 
 
 def _check_pair(y_true, y_pred):
@@ -102,7 +173,7 @@ def step_accuracy(y_true, y_pred):
     Steps are compared as integers. The official Who&When scorer compares the
     decimal strings with ``in`` (so a true step ``"1"`` also matches a predicted
     ``"12"``); numbers computed here can therefore be slightly lower than ones
-    computed with that script.
+    computed with that script, which :func:`lenient_step_accuracy` reproduces.
 
     Examples
     --------
@@ -111,6 +182,70 @@ def step_accuracy(y_true, y_pred):
     """
     t, p = _check_pair(y_true, y_pred)
     return float(np.mean(t == p))
+
+
+def lenient_step_matches(y_true, y_pred):
+    """Per conversation, whether the true step's digits occur in the predicted step's.
+
+    The per-conversation hits of :func:`lenient_step_accuracy` (a boolean array),
+    for bootstrap intervals over conversations.
+
+    Parameters
+    ----------
+    y_true, y_pred : array-like of int, shape (n_conversations,)
+        True and predicted steps (0-based turn indices).
+
+    Returns
+    -------
+    hits : ndarray of bool, shape (n_conversations,)
+
+    Examples
+    --------
+    >>> lenient_step_matches([1, 1, 3], [1, 10, 4]).tolist()
+    [True, True, False]
+    """
+    t, p = _check_pair(y_true, y_pred)
+    return np.array([str(int(a)) in str(int(b)) for a, b in zip(t, p)], dtype=bool)
+
+
+def lenient_step_accuracy(y_true, y_pred):
+    """LENIENT step accuracy: Who&When's own evaluation, as published papers report it.
+
+    A conversation counts as a hit when the decimal digits of the true step occur
+    anywhere inside the decimal string of the predicted step
+    (``str(true) in str(pred)``), as the Who&When evaluation script compares them.
+    So predicting step 10, 11 or 21 when the truth is 1 is a hit. It is never
+    lower than :func:`step_accuracy` (exact match), which is skafa's headline
+    metric; report this one only beside it, to compare with published figures.
+
+    Steps are 0-based turn indices, as in Who&When's ``mistake_step`` field, so the
+    strings compared are those of the 0-based indices.
+
+    Parameters
+    ----------
+    y_true : array-like of int, shape (n_conversations,)
+        True decisive steps (0-based turn indices).
+    y_pred : array-like of int, shape (n_conversations,)
+        Predicted steps.
+
+    Returns
+    -------
+    score : float
+        In [0, 1], at least :func:`step_accuracy` of the same input.
+
+    See Also
+    --------
+    step_accuracy : The exact metric.
+    lenient_step_matches : The per-conversation hits.
+
+    Examples
+    --------
+    >>> lenient_step_accuracy([1, 2, 5, 0], [10, 3, 5, 0])
+    0.75
+    >>> step_accuracy([1, 2, 5, 0], [10, 3, 5, 0])
+    0.5
+    """
+    return float(np.mean(lenient_step_matches(y_true, y_pred)))
 
 
 def within_k_accuracy(y_true, y_pred, k=1):

@@ -1,10 +1,33 @@
 """Choosing a site (layer), ensembling sites and stacking per-turn scores, on
-grouped cross-validation.
+grouped cross-validation; nested comparisons of methods on shared outer folds, their
+resumable result stores and the pre-registered rule.
 """
 
 # Authors: The skafa developers
 # SPDX-License-Identifier: MIT
 
+from ._nested import (
+    AGENT_MATCH_RULES,
+    format_interval,
+    grid_search_C,
+    make_probe,
+    method_table,
+    outer_splits,
+    paired_differences,
+    preregistered_rule,
+    select_single_and_top,
+    summarize_predictions,
+    tally_rule,
+)
+from ._results import (
+    FoldResultStore,
+    JudgeScoreStore,
+    ResultStoreError,
+    read_json,
+    read_result,
+    result_dtype,
+    write_json,
+)
 from ._selection import (
     SiteEnsemble,
     SiteSelector,
@@ -18,11 +41,29 @@ from ._stacking import (
 )
 
 __all__ = [
+    "AGENT_MATCH_RULES",
+    "FoldResultStore",
+    "JudgeScoreStore",
+    "ResultStoreError",
     "SiteEnsemble",
     "SiteSelector",
     "TurnScoreStacker",
     "check_site_cv",
+    "format_interval",
+    "grid_search_C",
     "grouped_splits",
+    "make_probe",
+    "method_table",
+    "outer_splits",
+    "paired_differences",
+    "preregistered_rule",
+    "read_json",
+    "read_result",
     "resolve_sites",
+    "result_dtype",
+    "select_single_and_top",
     "site_sweep",
+    "summarize_predictions",
+    "tally_rule",
+    "write_json",
 ]

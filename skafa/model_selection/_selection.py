@@ -32,11 +32,13 @@ from sklearn.utils.metaestimators import available_if
 from sklearn.utils.parallel import Parallel, delayed
 from sklearn.utils.validation import check_is_fitted
 
+from ..base import DecisiveStepMixin
 from ..compose import final_step_call
-from ..features import agents_at, check_turn_features
+from ..features import check_turn_features
 from ..metrics import SCORERS
 from ..persistence import PersistenceMixin
-from ..utils.grouped import grouped_argmax, grouped_center, grouped_softmax
+from ..utils.grouped import grouped_center
+from ..utils.progress import log
 from ..utils.sklearn_compat import (
     HasMethods,
     Interval,
@@ -45,7 +47,7 @@ from ..utils.sklearn_compat import (
     routing_enabled,
     safe_indexing,
 )
-from ..utils.validation import check_steps, group_labels, mean_hits
+from ..utils.validation import check_steps, group_labels
 
 __all__ = ["SiteSelector", "SiteEnsemble", "site_sweep"]
 
@@ -470,8 +472,8 @@ class SiteSelector(PersistenceMixin, MetaEstimatorMixin, BaseEstimator):
         if self.verbose > 0:
             per = f"{n_sites} sites" if n_cand == 1 else \
                 f"{n_cand} candidates x {n_sites} sites"
-            print(f"Fitting {n_splits} folds for each of {per}, totalling "
-                  f"{n_splits * n_sites * n_cand} fits")
+            log(self, 1, f"Fitting {n_splits} folds for each of {per}, totalling "
+                         f"{n_splits * n_sites * n_cand} fits")
 
         def tasks():
             for est in candidates:
@@ -774,7 +776,7 @@ def _member_scores(estimator, X, site):
     return scores
 
 
-class SiteEnsemble(MetaEstimatorMixin, BaseEstimator):
+class SiteEnsemble(DecisiveStepMixin, MetaEstimatorMixin, BaseEstimator):
     """Average the standardized turn scores of one estimator fitted at several sites.
 
     A clone of ``estimator`` is fitted on ``X.select_sites(site)`` for every site
@@ -914,86 +916,13 @@ class SiteEnsemble(MetaEstimatorMixin, BaseEstimator):
             total += grouped_center(_member_scores(estimator, X, site), X.offsets) / scale
         return X, total / len(self.sites_)
 
-    def turn_decision_function(self, X):
-        """Mean standardized turn score over the sites, per conversation.
+    def _turn_scores(self, X):
+        """Mean standardized turn score over the sites (the DecisiveStepMixin hook).
 
-        Parameters
-        ----------
-        X : TurnFeatures
-
-        Returns
-        -------
-        scores : list of ndarray of shape (n_turns_i,)
-            Centred within each conversation (each sums to zero).
+        Centred within each conversation; ``turn_predict_proba`` is its softmax,
+        a ranking device rather than calibrated probabilities.
         """
-        X, scores = self._average(X)
-        return X.split_rows(scores)
-
-    def turn_predict_proba(self, X):
-        """Softmax of the averaged scores over the turns of each conversation.
-
-        A ranking device: the average of standardized scores is not a
-        calibrated logit, so these are not calibrated probabilities.
-
-        Parameters
-        ----------
-        X : TurnFeatures
-
-        Returns
-        -------
-        proba : list of ndarray of shape (n_turns_i,)
-            One array per conversation, summing to 1.
-        """
-        X, scores = self._average(X)
-        return X.split_rows(grouped_softmax(scores, X.offsets))
-
-    def predict(self, X):
-        """Turn with the highest averaged score (earliest on ties).
-
-        Parameters
-        ----------
-        X : TurnFeatures
-
-        Returns
-        -------
-        steps : ndarray of int, shape (n_conversations,)
-        """
-        X, scores = self._average(X)
-        return grouped_argmax(scores, X.offsets)
-
-    def predict_agent(self, X):
-        """Speaker of the predicted decisive turn of every conversation.
-
-        Parameters
-        ----------
-        X : TurnFeatures
-            Must carry ``speakers``.
-
-        Returns
-        -------
-        agents : ndarray of object, shape (n_conversations,)
-        """
-        X = check_turn_features(X, self)
-        return agents_at(X, self.predict(X))
-
-    def score(self, X, y, sample_weight=None):
-        """Step accuracy of the averaged prediction.
-
-        Parameters
-        ----------
-        X : TurnFeatures
-        y : array-like of int, shape (n_conversations,)
-        sample_weight : array-like of shape (n_conversations,), default=None
-            Conversation weights (a weighted mean of hits); ``fit`` passes its
-            ``sample_weight`` on to every member.
-
-        Returns
-        -------
-        score : float
-        """
-        X = check_turn_features(X, self)
-        y = check_steps(y, X)
-        return mean_hits(self.predict(X) == y, sample_weight)
+        return self._average(X)
 
     def get_metadata_routing(self):
         """Get metadata routing of this object.
@@ -1013,8 +942,6 @@ class SiteEnsemble(MetaEstimatorMixin, BaseEstimator):
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
-        tags.target_tags.required = True
-        tags.input_tags.two_d_array = False  # X is a TurnFeatures
         tags.input_tags.sparse = get_tags(self.estimator).input_tags.sparse
         return tags
 

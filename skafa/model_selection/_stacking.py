@@ -18,7 +18,7 @@ from numbers import Integral
 
 import numpy as np
 from sklearn.base import MetaEstimatorMixin, clone
-from sklearn.utils import Bunch
+from sklearn.utils import Bunch, metadata_routing
 from sklearn.utils.metadata_routing import (
     MetadataRouter,
     MethodMapping,
@@ -27,9 +27,11 @@ from sklearn.utils.metadata_routing import (
 from sklearn.utils.parallel import Parallel, delayed
 from sklearn.utils.validation import check_is_fitted
 
+from ..base import DecisiveStepMixin
 from ..compose import final_step_call
 from ..conversation import check_conversations
 from ..features import TurnFeatures, check_turn_features
+from ..utils.progress import log
 from ..utils.sklearn_compat import (
     BaseComposition,
     HasMethods,
@@ -107,7 +109,7 @@ def _fit_and_score_fold(estimator, X, y, train, test, params, n_turns, name):
     return _turn_scores(estimator, _take(X, test), n_turns[test], name)
 
 
-class TurnScoreStacker(MetaEstimatorMixin, BaseComposition):
+class TurnScoreStacker(DecisiveStepMixin, MetaEstimatorMixin, BaseComposition):
     """Stack the turn scores of several estimators with a final turn-level model.
 
     Every base estimator maps conversations (or :class:`~skafa.TurnFeatures`) to
@@ -201,6 +203,10 @@ class TurnScoreStacker(MetaEstimatorMixin, BaseComposition):
     >>> stack.predict(convs[30:]).shape
     (10,)
     """
+
+    #: like fit, score takes no sample_weight
+    _score_takes_sample_weight = False
+    __metadata_request__score = {"sample_weight": metadata_routing.UNUSED}
 
     _parameter_constraints: dict = {
         "estimators": [list],
@@ -349,8 +355,8 @@ class TurnScoreStacker(MetaEstimatorMixin, BaseComposition):
             )
         offsets = np.concatenate([[0], np.cumsum(n_turns)])
         if self.verbose:
-            print(f"[TurnScoreStacker] {len(active)} estimators x {len(splits)} folds "
-                  f"+ {len(active)} refits")
+            log(self, 1, f"{len(active)} estimators x {len(splits)} folds "
+                         f"+ {len(active)} refits")
 
         start = time.perf_counter()
         jobs = [
@@ -373,7 +379,7 @@ class TurnScoreStacker(MetaEstimatorMixin, BaseComposition):
         self.named_estimators_ = Bunch(**dict(zip(names, self.estimators_)))
         self.final_estimator_ = self._final().fit(self._stack(X, n_turns, columns), y)
         if self.verbose:
-            print(f"[TurnScoreStacker] fitted in {time.perf_counter() - start:.1f}s")
+            log(self, 1, f"fitted in {time.perf_counter() - start:.1f}s")
         return self
 
     # ------------------------------------------------------------- prediction
@@ -384,82 +390,16 @@ class TurnScoreStacker(MetaEstimatorMixin, BaseComposition):
                    for name, est in zip(self.feature_names_, self.estimators_)]
         return self._stack(X, n_turns, columns)
 
-    def predict(self, X):
-        """Decisive step of every conversation, from the stacked scores.
+    def _decisive_delegate(self, X, method):
+        # DecisiveStepMixin hook: predict, predict_agent and turn_* are the final
+        # estimator's, on the stacked scores
+        Z = self._stacked(X)  # checks that the stacker is fitted first
+        return self.final_estimator_, Z
 
-        Parameters
-        ----------
-        X : list of Conversation or TurnFeatures
-
-        Returns
-        -------
-        steps : ndarray of int, shape (n_conversations,)
-        """
-        Z = self._stacked(X)
-        return self.final_estimator_.predict(Z)
-
-    def predict_agent(self, X):
-        """Speaker of the predicted decisive turn of every conversation.
-
-        Parameters
-        ----------
-        X : list of Conversation or TurnFeatures
-            TurnFeatures must carry ``speakers``.
-
-        Returns
-        -------
-        agents : ndarray of object, shape (n_conversations,)
-        """
-        Z = self._stacked(X)
-        return self.final_estimator_.predict_agent(Z)
-
-    def turn_decision_function(self, X):
-        """Final estimator's per-turn scores (list of 1-D arrays).
-
-        Parameters
-        ----------
-        X : list of Conversation or TurnFeatures
-
-        Returns
-        -------
-        scores : list of ndarray of shape (n_turns_i,)
-        """
-        Z = self._stacked(X)
-        return self.final_estimator_.turn_decision_function(Z)
-
-    def turn_predict_proba(self, X):
-        """Final estimator's per-turn probabilities (list of 1-D arrays).
-
-        Parameters
-        ----------
-        X : list of Conversation or TurnFeatures
-
-        Returns
-        -------
-        proba : list of ndarray of shape (n_turns_i,)
-            One array per conversation, summing to 1.
-        """
-        Z = self._stacked(X)
-        return self.final_estimator_.turn_predict_proba(Z)
-
-    def score(self, X, y):
-        """Final estimator's score (step accuracy for skafa estimators).
-
-        Parameters
-        ----------
-        X : list of Conversation or TurnFeatures
-        y : array-like of int, shape (n_conversations,)
-
-        Returns
-        -------
-        score : float
-
-        Notes
-        -----
-        Like :meth:`fit`, it takes no ``sample_weight``.
-        """
+    def _score(self, X, y, sample_weight):
+        """Final estimator's score (step accuracy for skafa estimators); no sample_weight."""
         check_is_fitted(self)
-        return float(self.final_estimator_.score(self._stacked(X), y))
+        return self.final_estimator_.score(self._stacked(X), y)
 
     # ---------------------------------------------------------------- routing
     def get_metadata_routing(self):
@@ -482,10 +422,3 @@ class TurnScoreStacker(MetaEstimatorMixin, BaseComposition):
         router.add(splitter=check_site_cv(self.cv),
                    method_mapping=MethodMapping().add(caller="fit", callee="split"))
         return router
-
-    def __sklearn_tags__(self):
-        tags = super().__sklearn_tags__()
-        # Not a classifier: the label is a turn position (see skafa.probes).
-        tags.target_tags.required = True
-        tags.input_tags.two_d_array = False  # conversations or TurnFeatures, not arrays
-        return tags

@@ -36,11 +36,13 @@ from numbers import Integral, Real
 
 import numpy as np
 from sklearn.base import BaseEstimator
+from sklearn.utils import metadata_routing
 from sklearn.utils.parallel import Parallel, delayed
 from sklearn.utils.validation import check_is_fitted
 
+from ..base import DecisiveStepMixin
 from ..conversation import Conversation, Turn
-from ..features import TurnFeatures, agents_at, check_turn_features
+from ..features import TurnFeatures, check_turn_features
 from ..metrics import exact_f1, online_step_accuracy
 from ..model_selection import check_site_cv, grouped_splits, resolve_sites
 from ..probes import GroupedArgmaxLogisticClassifier
@@ -240,7 +242,7 @@ def _fit_fold(make, M, labels, rows, test_rows):
 
 
 # --------------------------------------------------------------------------- estimator
-class OnlineAuditor(BaseEstimator):
+class OnlineAuditor(DecisiveStepMixin, BaseEstimator):
     """Alarm on the first turn of a run at which the decisive error has happened.
 
     A linear model scores every turn of a run from that turn's features alone (for
@@ -360,6 +362,10 @@ class OnlineAuditor(BaseEstimator):
     >>> float(np.mean(auditor.predict(X) == y)) > 0.5
     True
     """
+
+    #: score is Exact-F1, not a mean over runs: no sample_weight
+    _score_takes_sample_weight = False
+    __metadata_request__score = {"sample_weight": metadata_routing.UNUSED}
 
     _parameter_constraints: dict = {
         "target": [StrOptions(set(_TARGETS))],
@@ -531,19 +537,13 @@ class OnlineAuditor(BaseEstimator):
                              f"{self.n_features_in_}.")
         return X, self._score_rows(M)
 
-    def turn_decision_function(self, X):
-        """Alarm score of every turn, per run (alarm where ``score >= threshold_``).
+    def _turn_scores(self, X):
+        """Alarm score of every turn row (alarm where ``score >= threshold_``)."""
+        return self._scores(X)
 
-        Parameters
-        ----------
-        X : TurnFeatures
-
-        Returns
-        -------
-        scores : list of ndarray of shape (n_turns_i,)
-        """
-        X, scores = self._scores(X)
-        return X.split_rows(scores)
+    def _has_decisive_method(self, name):
+        # alarm scores are not a distribution over turns
+        return name != "turn_predict_proba"
 
     def predict(self, X):
         """First alarmed turn of every run, ``-1`` when no turn reaches the threshold.
@@ -560,37 +560,11 @@ class OnlineAuditor(BaseEstimator):
         X, scores = self._scores(X)
         return _first_alarm(scores, X.offsets, self.threshold_)
 
-    def predict_agent(self, X):
-        """Speaker of the first alarmed turn of every run (``None``: no alarm).
-
-        Parameters
-        ----------
-        X : TurnFeatures
-            Must carry ``speakers``.
-
-        Returns
-        -------
-        agents : ndarray of object, shape (n_runs,)
-        """
-        X = check_turn_features(X, self)
-        return agents_at(X, self.predict(X))
-
-    def score(self, X, y):
+    def _score(self, X, y, sample_weight):
         """Exact-F1 of the first alarms against ``y`` (``-1`` = safe run).
 
-        Parameters
-        ----------
-        X : TurnFeatures
-        y : array-like of int, shape (n_runs,)
-
-        Returns
-        -------
-        score : float
-
-        Notes
-        -----
-        Like :meth:`fit`, it takes no ``sample_weight`` (Exact-F1 is not a mean over
-        runs).
+        Like :meth:`fit`, it takes no ``sample_weight`` (Exact-F1 is not a mean
+        over runs); ``predict_agent`` gives ``None`` for a run without alarm.
         """
         X = check_turn_features(X, self)
         return exact_f1(_check_online_y(y, X), self.predict(X))
@@ -611,14 +585,6 @@ class OnlineAuditor(BaseEstimator):
         AuditSession
         """
         return AuditSession(self, extractor, task, task_id=task_id)
-
-    def __sklearn_tags__(self):
-        tags = super().__sklearn_tags__()
-        tags.target_tags.required = True
-        # X is a TurnFeatures (sparse blocks inside it are fine); bare arrays are refused
-        tags.input_tags.two_d_array = False
-        tags.input_tags.sparse = False
-        return tags
 
 
 # --------------------------------------------------------------------------- streaming
@@ -709,7 +675,7 @@ class AuditSession:
     """
 
     def __init__(self, auditor, extractor, task="", *, task_id=None):
-        from ..llm import SiteReader, TurnActivationTransformer, validate_sites
+        from ..llm import TurnActivationTransformer
 
         check_is_fitted(auditor)
         if not isinstance(extractor, TurnActivationTransformer):
@@ -720,103 +686,36 @@ class AuditSession:
             raise TypeError(f"task must be a string, got {type(task).__name__}.")
         if not hasattr(extractor, "sites_"):
             extractor.fit([Conversation([Turn("agent", "")], task=task)])
-        extractor._ensure_loaded()
-        template = extractor.prompt_
-        if not template.segment_turns:
-            raise ValueError(
-                "AuditSession needs a prompt whose turn boundaries are token boundaries "
-                "(PromptTemplate(segment_turns=True), e.g. PromptTemplate.online()); the "
-                "extractor's prompt would make earlier tokens depend on later turns.")
-        if template.answer_header is not None:
-            raise ValueError("AuditSession: a live run has no expected answer; use a prompt "
-                             "with answer_header=None (PromptTemplate.online()).")
-        site = validate_sites([auditor.best_site_], extractor.n_layers_)[0]
         if extractor.hidden_size_ != auditor.n_features_in_:
             raise ValueError(f"the auditor was fitted on {auditor.n_features_in_} features "
                              f"per turn, but {extractor.model!r} reads {extractor.hidden_size_} "
                              "at a site; fit the auditor on this extractor's activations.")
+        # The stream checks the prompt, the site and the context, and reads the text
+        # before the first turn now, so that the first turn costs its own tokens only.
+        stream = extractor.stream(auditor.best_site_, task=task, task_id=task_id,
+                                  label="AuditSession")
         self.auditor = auditor
         self.extractor = extractor
         self.task = task
         self.task_id = task_id
-        self.site = site
-        self.turns = []
+        self.site = stream.site
         self.verdicts = []
         self.first_alarm = None
         self._values = []
-        self._template = template
-        self._tokenizer = extractor._tokenizer
-        self._kwargs = dict(extractor.chat_template_kwargs or {})
-        self._reader = SiteReader(extractor._layout, [site])
-        self._device = extractor._layout.embedding.weight.device
-        self._cache = self._new_cache()
-        self.n_tokens = 0
-        # Read the text before the first turn (system message, task) now, so that
-        # the first turn costs its own tokens only.
-        text, spans, _ = self._render([Turn("agent", "")])
-        self._text = text[: int(spans[0, 0])]
-        self._feed(self._text, None, None, what="the system message and task")
+        self._stream = stream
 
-    # ------------------------------------------------------------------ internals
-    def _new_cache(self):
-        from transformers import DynamicCache
+    @property
+    def turns(self):
+        """The turns appended so far (list of Turn)."""
+        return self._stream.turns
 
-        return DynamicCache(config=self.extractor._model.config)
+    @property
+    def n_tokens(self):
+        """Tokens read (and cached) so far (int)."""
+        return self._stream.n_tokens
 
     def _where(self, k=None):
-        tid = "" if self.task_id is None else f" (task {self.task_id!r})"
-        return f"AuditSession{tid}" + ("" if k is None else f", turn {k}")
-
-    def _render(self, turns):
-        from ..llm._prompt import _render
-
-        conv = Conversation(turns, task=self.task, task_id=self.task_id)
-        contents = [t.content for t in turns]
-        if self._template.shorten == "head_tail":
-            contents = [self._template._shorten_text(c, self._template.max_turn_chars)[0]
-                        for c in contents]
-        # (text, turn spans, turn last characters); read="last": no read spans
-        return _render(self._template, conv, self._tokenizer, contents, self._kwargs,
-                       self._where(len(turns) - 1))[:3]
-
-    def _feed(self, segment, last_char, line_start, what):
-        """Tokenize ``segment``, check the context, run it through the cached model."""
-        import torch
-
-        from ..exceptions import PromptTooLongError
-        from ..llm._prompt import _start_positions, _tokenize
-
-        where = self._where(len(self.turns))
-        local = [] if last_char is None else [last_char]
-        ids, offsets, pos = _tokenize(self._tokenizer, segment,
-                                      np.asarray(local, dtype=np.int64), where)
-        limit = int(self.extractor.context_length_)
-        if self.n_tokens + ids.shape[0] > limit:
-            raise PromptTooLongError(
-                f"{where}: {what} would bring the prompt to {self.n_tokens + ids.shape[0]} "
-                f"tokens, more than the model's context of {limit}; the session is "
-                "unchanged. skafa does not cut turns silently: shorten each turn with "
-                "PromptTemplate.online(shorten='head_tail', max_turn_chars=...) in the "
-                "extractor (and train the auditor on features read that way), or stop "
-                "auditing this run.", n_tokens=self.n_tokens + ids.shape[0], max_tokens=limit)
-        if ids.shape[0] == 0:
-            return None
-        if last_char is None:
-            rows, segments = np.zeros(0, dtype=np.int64), None
-        elif self.extractor.read == "mean":
-            first = int(_start_positions(offsets, [line_start], pos)[0])
-            rows = np.arange(first, int(pos[0]) + 1, dtype=np.int64)
-            segments = np.zeros(rows.shape[0], dtype=np.int64)
-        else:
-            rows, segments = pos.astype(np.int64), None
-        values = self._reader.run(
-            torch.from_numpy(ids[None, :]).to(self._device),
-            torch.from_numpy(rows).to(self._device),
-            segments=None if segments is None else torch.from_numpy(segments).to(self._device),
-            n_out=None if segments is None else 1,
-            past_key_values=self._cache)
-        self.n_tokens += int(ids.shape[0])
-        return values.cpu().numpy()
+        return self._stream.where(k)
 
     # ------------------------------------------------------------------ API
     def append(self, speaker, content=None, *, role=None):
@@ -835,8 +734,6 @@ class AuditSession:
         -------
         Verdict
         """
-        from ..llm._prompt import _turn_segments
-
         if isinstance(speaker, Turn):
             if content is not None or role is not None:
                 raise TypeError("pass either a Turn or speaker and content, not both.")
@@ -846,20 +743,7 @@ class AuditSession:
                 raise TypeError("append(speaker, content): content is required.")
             turn = Turn(speaker, content, role)
         k = len(self.turns)
-        text, spans, last_chars = self._render(self.turns + [turn])
-        a, b = _turn_segments(spans, len(text))[k + 1]
-        if text[:a] != self._text:
-            raise RuntimeError(
-                f"{self._where(k)}: the prompt rendered with this turn changes text before "
-                "it (the template or chat template depends on later turns), so the cached "
-                "keys and values no longer match; use PromptTemplate.online().")
-        values = self._feed(text[a:b], int(last_chars[k]) - a, int(spans[k, 0]) - a,
-                            what=f"turn {k} (speaker {turn.speaker!r})")
-        vec = values[0, 0]
-        if not np.all(np.isfinite(vec)):
-            raise ValueError(f"{self._where(k)}: non-finite activation at site {self.site!r}.")
-        self._text = text[:b]
-        self.turns.append(turn)
+        vec = self._stream.append(turn)
         self._values.append(vec)
         score = float(self.auditor._score_rows(vec[None, :])[0])
         alarm = bool(score >= self.auditor.threshold_)
@@ -885,7 +769,7 @@ class AuditSession:
 
     def close(self):
         """Free the KV cache (the session cannot be used afterwards)."""
-        self._cache = None
+        self._stream.close()
 
     def __repr__(self):
         alarm = "none" if self.first_alarm is None else f"turn {self.first_alarm.step}"

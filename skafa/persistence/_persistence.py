@@ -40,8 +40,14 @@ defaults; a class without the mixin gets them too):
     Instance attributes that only exist at run time (a loaded model, a
     tokenizer, a cache, a scorer function): never written, refused on load.
 ``_load_overrides``
-    Parameters that ``load(model=..., device=...)`` replaces (``"model"``,
-    ``"device"``).
+    Parameters that ``load(model=...)`` replaces (``"model"``).
+``_runtime_params``
+    Parameters that are settings of the machine running the estimator, not
+    of the estimator (by default ``cache_dir``, ``n_jobs``, ``device``,
+    ``verbose``, for every class, scikit-learn's included): never taken from
+    the file; :func:`load` sets them to the caller's value or the
+    constructor's default, so a file decides neither where skafa writes, nor
+    how many processes it starts, nor which device it uses.
 ``_reads_model``
     ``True`` for a step that reads a language model: :func:`save` summarises it
     in ``skafa.json``.
@@ -181,7 +187,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from ..exceptions import PersistenceVersionWarning
-from ..utils.fileio import atomic_write_bytes
+from ..utils.fileio import atomic_write_bytes, read_regular_file
 
 __all__ = [
     "save",
@@ -198,12 +204,13 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "MAX_EXTRA_BYTES",
     "EXTRA_BYTES_PER_BYTE",
+    "RUNTIME_PARAMS",
 ]
 
 #: Name of the format, written to ``skafa.json``.
 FORMAT = "skafa.estimator"
 #: Version of the format; :func:`load` refuses files from a newer version.
-#: 2: classes are named by their public path (``skafa.probes._probes.X``) since the package was
+#: 2: classes are named by their public path (``skafa.probes.X``) since the package was
 #: laid out by concept (0.2.0); version-1 files named the old flat modules.
 FORMAT_VERSION = 2
 #: File names inside a saved directory.
@@ -243,8 +250,13 @@ class PersistenceMixin:
         :func:`load` refuses a file that sets them. Rebuild them in
         :meth:`_restore_after_load` or lazily.
     _load_overrides : frozenset of str
-        Parameters replaced by the arguments of the same name of :func:`load`
-        (``"model"``, ``"device"``).
+        Parameters replaced by the argument of the same name of :func:`load`
+        when it is given (``"model"``).
+    _runtime_params : frozenset of str
+        Runtime settings among the parameters: :func:`load` never takes them
+        from the file but from its keyword argument of the same name, or,
+        when that is ``None``, from the constructor's default. The default set
+        is :data:`RUNTIME_PARAMS`.
     _reads_model : bool
         The estimator reads a language model: :func:`save` writes a summary
         (model name, identity, fingerprint, prompt, chat-template variables) to
@@ -263,6 +275,7 @@ class PersistenceMixin:
 
     _runtime_attributes = frozenset()
     _load_overrides = frozenset()
+    _runtime_params = frozenset({"cache_dir", "n_jobs", "device", "verbose"})
     _reads_model = False
 
     def _restore_after_load(self, context):
@@ -276,8 +289,25 @@ class PersistenceMixin:
         """
 
 
-_DECLARATIONS = frozenset({"_runtime_attributes", "_load_overrides", "_reads_model",
-                           "_restore_after_load"})
+_DECLARATIONS = frozenset({"_runtime_attributes", "_load_overrides", "_runtime_params",
+                           "_reads_model", "_restore_after_load"})
+
+#: Parameters that are runtime settings for every class (see
+#: :attr:`PersistenceMixin._runtime_params`): never read from a file.
+RUNTIME_PARAMS = PersistenceMixin._runtime_params
+
+
+def _constructor_default(cls, name):
+    """The default of ``cls.__init__``'s parameter ``name`` (None when it has none)."""
+    import inspect
+
+    try:
+        param = inspect.signature(cls.__init__).parameters.get(name)
+    except (TypeError, ValueError):
+        return None
+    if param is None or param.default is inspect.Parameter.empty:
+        return None
+    return param.default
 
 
 def _declared(cls, name):
@@ -743,7 +773,7 @@ def _model_summary(est, name, path):
         "model": str(getattr(est, "model", None)),
         "model_identity": getattr(est, "model_identity_", None),
         "model_fingerprint": getattr(est, "model_fingerprint_", None),
-        "dtype": getattr(est, "dtype", None),
+        "dtype": getattr(est, "dtype_", None) or getattr(est, "dtype", None),
         "sites": list(getattr(est, "sites_", ()) or ()) or None,
         "prompt": None if prompt is None else prompt.to_dict(),
         "chat_template_kwargs": None if kwargs is None else dict(kwargs),
@@ -951,11 +981,12 @@ class LoadContext:
 
 
 class _Reader:
-    def __init__(self, arrays, json_path, *, n_file_bytes, model, device, trust, verify_model):
+    def __init__(self, arrays, json_path, *, n_file_bytes, model, runtime, trust,
+                 verify_model):
         self.arrays = arrays
         self.json_path = json_path
         self.model = model
-        self.device = device
+        self.runtime = runtime  # name -> the caller's value (None: constructor default)
         self.verify_model = verify_model
         self.trust = {str(t) for t in trust}
         self.objects = {}
@@ -1059,8 +1090,10 @@ class _Reader:
             self.saved_models[path] = str(params.get("model"))
             if self.model is not None:
                 params["model"] = self.model
-        if "device" in overrides and self.device is not None and "device" in params:
-            params["device"] = self.device
+        for key in _declared(cls, "_runtime_params") & params.keys():
+            # a runtime setting comes from the caller, never from the file
+            value = self.runtime.get(key)
+            params[key] = _constructor_default(cls, key) if value is None else value
         try:
             est = cls(**params)
         except TypeError as exc:
@@ -1356,7 +1389,7 @@ _DECODERS = {
 
 def _read_document(json_path):
     try:
-        raw = json_path.read_bytes()
+        raw = read_regular_file(json_path)  # regular files only, at most their size
     except FileNotFoundError:
         raise FileNotFoundError(
             f"{json_path} not found: not a directory written by skafa.persistence.save."
@@ -1410,7 +1443,7 @@ def _read_arrays(arrays_path, document, json_path):
     from safetensors.numpy import load as st_load
 
     try:
-        blob = arrays_path.read_bytes()
+        blob = read_regular_file(arrays_path)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"{arrays_path} not found; {json_path} refers to it (the save is incomplete)."
@@ -1448,8 +1481,16 @@ def _version_warnings(document, json_path):
             )
 
 
-def load(path, *, model=None, device=None, trust=(), verify_model=True):
+def load(path, *, model=None, device=None, trust=(), verify_model=True, cache_dir=None,
+         n_jobs=None, verbose=None):
     """Load an estimator written by :func:`save`, instantiating only allowed classes.
+
+    Runtime settings (the parameters ``cache_dir``, ``n_jobs``, ``device`` and
+    ``verbose`` of every step, see ``_runtime_params``) are never taken from the
+    file: each comes from the argument of the same name here, or, when that is
+    ``None``, from the step's constructor default (no cache folder, no worker
+    processes, ``"cpu"``, quiet). A file therefore cannot decide where skafa
+    writes, how many processes it starts, or which device it uses.
 
     Parameters
     ----------
@@ -1464,8 +1505,8 @@ def load(path, *, model=None, device=None, trust=(), verify_model=True):
         :func:`skafa.llm.load_model` (``trust_remote_code=False``); pass
         ``model`` to choose it yourself.
     device : str, default=None
-        Torch device for those steps instead of the saved one (e.g. ``"cpu"``
-        for an estimator saved on a GPU machine).
+        Torch device for every step with a ``device`` parameter; ``None``: the
+        constructor's default (``"cpu"``). The saved device is not used.
     trust : iterable of str, default=()
         Extra classes (``"package.module.Class"``) that the file may use and that
         may be imported to build it. Only list classes you trust to be built from
@@ -1475,6 +1516,15 @@ def load(path, *, model=None, device=None, trust=(), verify_model=True):
         architecture with the saved fingerprint. With ``False`` nothing is
         loaded; the extraction step still refuses a different architecture when
         it first loads the model.
+    cache_dir : str or path-like, default=None
+        Activation cache folder for every step with a ``cache_dir`` parameter;
+        ``None``: no cache. The saved folder is not used.
+    n_jobs : int, default=None
+        ``n_jobs`` of every step that has one; ``None``: the constructor's
+        default (one process). The saved value is not used.
+    verbose : int, default=None
+        ``verbose`` of every step that has one; ``None``: the constructor's
+        default (quiet). The saved value is not used.
 
     Returns
     -------
@@ -1513,7 +1563,9 @@ def load(path, *, model=None, device=None, trust=(), verify_model=True):
     if isinstance(trust, str):
         trust = [trust]
     reader = _Reader(arrays, json_path, n_file_bytes=n_json_bytes + n_array_bytes,
-                     model=model, device=device, trust=trust, verify_model=verify_model)
+                     model=model, trust=trust, verify_model=verify_model,
+                     runtime={"cache_dir": cache_dir, "n_jobs": n_jobs, "device": device,
+                              "verbose": verbose})
     tree = document["tree"]
     if not isinstance(tree, dict) or "__estimator__" not in tree:
         raise ValueError(f"{json_path}: the tree does not describe an estimator.")

@@ -48,7 +48,7 @@ def _homes():
 
 
 def public_path(cls):
-    """The public import path of a skafa class (``skafa.probes._probes.Name``), or None.
+    """The public import path of a skafa class (``skafa.probes.Name``), or None.
 
     Examples
     --------

@@ -569,6 +569,9 @@ def check_sample_weight_consistency(name, estimator):
     fit_takes = fit_kwargs is not None
     score = getattr(type(estimator), "score", None)
     score_takes = score is not None and "sample_weight" in inspect.signature(score).parameters
+    # DecisiveStepMixin.score has sample_weight in its signature and refuses it when
+    # the estimator sets _score_takes_sample_weight = False
+    score_takes = score_takes and getattr(type(estimator), "_score_takes_sample_weight", True)
     if score is not None and fit_takes != score_takes:
         raise AssertionError(
             f"{name}: fit {'takes' if fit_takes else 'does not take'} sample_weight but "

@@ -20,12 +20,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import tempfile
 
 import numpy as np
 
 __all__ = ["atomic_write_bytes", "write_safetensors", "read_safetensors", "json_field",
-           "DIGEST_KEY"]
+           "read_regular_file", "DIGEST_KEY"]
 
 #: Metadata key holding the SHA-256 digest of the rest of the file.
 DIGEST_KEY = "skafa_sha256"
@@ -66,6 +67,75 @@ def atomic_write_bytes(path, data: bytes) -> None:
         pass
 
 
+def read_regular_file(path, *, max_bytes=None, follow_symlinks=True) -> bytes:
+    """Read a whole *regular* file, bounded by its size: the one way skafa reads a file back.
+
+    Every reader of a file that might come from someone else (saved estimators,
+    :class:`~skafa.TurnFeatures` files, activation cache entries) uses this
+    function, so none of them can be made to read without end: a symlink to
+    ``/dev/zero`` or ``/dev/urandom``, a FIFO or a device is refused before a
+    byte is read (``fstat`` of the opened descriptor, so the check and the read
+    see the same file), the size is checked against ``max_bytes`` first, and at
+    most the size found is read.
+
+    Parameters
+    ----------
+    path : str or path-like
+    max_bytes : int, default=None
+        Refuse a larger file. ``None``: the file's own size is the only bound.
+    follow_symlinks : bool, default=True
+        With ``False``, a symlink as the last component of ``path`` is refused
+        (``O_NOFOLLOW``); for files only skafa writes, such as cache entries.
+
+    Returns
+    -------
+    bytes
+
+    Raises
+    ------
+    FileNotFoundError
+        When ``path`` does not exist.
+    ValueError
+        When ``path`` is not a regular file (a device, FIFO, socket or folder,
+        or a symlink with ``follow_symlinks=False``), is larger than
+        ``max_bytes``, or changes size while it is read.
+    """
+    path = os.fspath(path)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    if not follow_symlinks:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # ELOOP: a symlink under O_NOFOLLOW; EACCES, EISDIR...
+        kind = "a symbolic link" if os.path.islink(path) and not follow_symlinks else None
+        raise ValueError(f"{path}: cannot be read as a regular file "
+                         f"({kind or exc.strerror or exc}).") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path}: not a regular file (a device, FIFO, socket or "
+                             "folder, perhaps behind a symbolic link); refusing to read it.")
+        size = info.st_size
+        if max_bytes is not None and size > max_bytes:
+            raise ValueError(f"{path}: {size} bytes, more than the {max_bytes} bytes "
+                             "accepted for this kind of file.")
+        chunks, remaining = [], size
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, 1 << 26))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        if remaining or os.read(fd, 1):
+            raise ValueError(f"{path}: the file changed size while it was read "
+                             f"({size} bytes announced).")
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
+
+
 def _digest(tensors, metadata) -> str:
     h = hashlib.sha256()
     meta = {k: v for k, v in metadata.items() if k != DIGEST_KEY}
@@ -97,7 +167,7 @@ def write_safetensors(path, tensors: dict, metadata: dict) -> None:
     atomic_write_bytes(path, save(tensors, metadata=metadata))
 
 
-def read_safetensors(path, *, require_digest=True):
+def read_safetensors(path, *, require_digest=True, follow_symlinks=True):
     """Read a file written by :func:`write_safetensors`, verifying its digest.
 
     Parameters
@@ -106,6 +176,9 @@ def read_safetensors(path, *, require_digest=True):
     require_digest : bool, default=True
         Refuse a file without a digest (set False only to read files written
         before digests existed).
+    follow_symlinks : bool, default=True
+        Passed to :func:`read_regular_file` (which reads the file: regular
+        files only, at most their size).
 
     Returns
     -------
@@ -115,13 +188,13 @@ def read_safetensors(path, *, require_digest=True):
     Raises
     ------
     ValueError
-        When the file cannot be parsed, or its digest is missing or wrong.
+        When the file is not a regular file, cannot be parsed, or its digest
+        is missing or wrong.
     """
     from safetensors.numpy import load
 
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        blob = f.read()
+    blob = read_regular_file(path, follow_symlinks=follow_symlinks)
     try:
         tensors = load(blob)  # validates offsets and sizes against the blob
         header_len = int.from_bytes(blob[:8], "little")

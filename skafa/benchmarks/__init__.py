@@ -1,0 +1,82 @@
+"""Benchmarks as package code: the Who&When comparison (plain and pre-registered) and the
+online-auditing benchmark over
+:mod:`skafa.model_selection`'s nested-comparison machinery, and the peers it is compared
+with (the prompted judge, mi4afa). The scripts under ``examples/`` are their commands.
+"""
+
+# Authors: The skafa developers
+# SPDX-License-Identifier: MIT
+
+from ._online import (
+    POSITION_AUDITOR,
+    TURN_CHAR_GRID,
+    OnlineBenchmarkSettings,
+    choose_online_template,
+    online_markdown,
+    paired_online,
+    paired_online_rows,
+    plot_alarm_scores,
+    rescore_online,
+    run_online_benchmark,
+    summarize_online,
+)
+from ._peers import (
+    JUDGE,
+    PLAIN_CHAT_TEMPLATE,
+    attention_note,
+    dask_backend,
+    judge_cache_head,
+    judge_from_result,
+    judge_predictions,
+    mi4afa_activations,
+    mi4afa_fold,
+    mi4afa_setup,
+    peak_rss_during,
+    peer_cost,
+)
+from ._who_and_when import (
+    AUTO,
+    MI4AFA,
+    BenchmarkSettings,
+    plain_markdown,
+    plot_site_curves,
+    preregistered_deviations,
+    preregistered_markdown,
+    preregistered_names,
+    run_benchmark,
+)
+
+__all__ = [
+    "AUTO",
+    "BenchmarkSettings",
+    "OnlineBenchmarkSettings",
+    "POSITION_AUDITOR",
+    "TURN_CHAR_GRID",
+    "choose_online_template",
+    "online_markdown",
+    "paired_online",
+    "paired_online_rows",
+    "plot_alarm_scores",
+    "rescore_online",
+    "run_online_benchmark",
+    "summarize_online",
+    "JUDGE",
+    "MI4AFA",
+    "PLAIN_CHAT_TEMPLATE",
+    "attention_note",
+    "dask_backend",
+    "judge_cache_head",
+    "judge_from_result",
+    "judge_predictions",
+    "mi4afa_activations",
+    "mi4afa_fold",
+    "mi4afa_setup",
+    "peak_rss_during",
+    "peer_cost",
+    "plain_markdown",
+    "plot_site_curves",
+    "preregistered_deviations",
+    "preregistered_markdown",
+    "preregistered_names",
+    "run_benchmark",
+]
