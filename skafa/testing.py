@@ -35,6 +35,8 @@ import numpy as np
 from .conversation import Conversation, Turn
 
 __all__ = [
+    "make_site_features",
+    "write_who_and_when",
     "CHATML_TEMPLATE",
     "LLAMA3_DATE_TEMPLATE",
     "SPECIAL_TOKENS",
@@ -479,3 +481,57 @@ def register_tiny_model(name="skafa-tiny-llama"):
     if name not in registered_models():
         register_model(name, make_tiny_llama(), make_tiny_tokenizer())
     return name
+
+
+def make_site_features(n=90, *, signal_site=3, n_sites=5, n_features=6, signal=3.0, seed=0,
+                       task_ids=True):
+    """Multi-site TurnFeatures with the decisive-turn signal at one site.
+
+    Sites are named ``"s0"``, ``"s1"``, ...; speakers ``"agent0"``..``"agent3"``;
+    three conversations per task id.
+
+    Returns
+    -------
+    X : TurnFeatures
+    y : ndarray of int, shape (n,)
+    """
+    from .features import TurnFeatures
+
+    rng = np.random.default_rng(seed)
+    n_turns = rng.integers(3, 11, size=n)
+    offsets = np.concatenate([[0], np.cumsum(n_turns)])
+    y = (rng.random(n) * n_turns).astype(np.int64)
+    values = rng.normal(size=(offsets[-1], n_sites, n_features))
+    values[offsets[:-1] + y, signal_site, 0] += signal
+    X = TurnFeatures(
+        values,
+        offsets,
+        sites=tuple(f"s{j}" for j in range(n_sites)),
+        speakers=[f"agent{j % 4}" for j in range(offsets[-1])],
+        task_ids=[f"task{i // 3}" for i in range(n)] if task_ids else None,
+    )
+    return X, y
+
+
+def write_who_and_when(folder, convs):
+    """Write conversations as Who&When-format records (``Algorithm-Generated/1.json``, ...).
+
+    Returns
+    -------
+    folder : pathlib.Path
+    """
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    subset = folder / "Algorithm-Generated"
+    subset.mkdir(parents=True)
+    for i, c in enumerate(convs):
+        record = {
+            "question": c.task, "ground_truth": c.expected_answer, "question_ID": c.task_id,
+            "history": [{"content": t.content, "role": "assistant", "name": t.speaker}
+                        for t in c.turns],
+            "mistake_step": str(c.mistake_step), "mistake_agent": c.mistake_agent,
+        }
+        (subset / f"{i + 1}.json").write_text(json.dumps(record))
+    return folder

@@ -27,7 +27,12 @@ from skafa.llm import (
 from skafa.metrics import BootstrapResult
 from skafa.model_selection import SiteSelector
 from skafa.persistence import save
-from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
+from skafa.testing import (
+    make_conversations,
+    make_tiny_llama,
+    make_tiny_tokenizer,
+    write_who_and_when,
+)
 
 MODEL = "attributor-tiny"
 
@@ -301,19 +306,7 @@ def test_kfold_without_groups(conversations):
 
 
 # -------------------------------------------------------------------- quickstart
-def _write_who_and_when(folder, convs):
-    """Write conversations as Who&When-format records (Algorithm-Generated layout)."""
-    subset = folder / "Algorithm-Generated"
-    subset.mkdir(parents=True)
-    for i, c in enumerate(convs):
-        record = {
-            "question": c.task, "ground_truth": c.expected_answer, "question_ID": c.task_id,
-            "history": [{"content": t.content, "role": "assistant", "name": t.speaker}
-                        for t in c.turns],
-            "mistake_step": str(c.mistake_step), "mistake_agent": c.mistake_agent,
-        }
-        (subset / f"{i + 1}.json").write_text(json.dumps(record))
-    return folder
+_write_who_and_when = write_who_and_when
 
 
 def _run_quickstart(data, n_resamples):

@@ -198,3 +198,18 @@ def test_import_skafa_stays_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_tests_mirror_the_package_and_import_no_other_test():
+    tests = Path(__file__).resolve().parent
+    for sub in ("llm", "probes", "baselines", "compose", "model_selection", "metrics",
+                "online", "persistence", "datasets", "integrations", "utils", "benchmarks"):
+        assert (tests / sub).is_dir() and (PACKAGE / sub).is_dir(), sub
+    offenders = []
+    for path in tests.rglob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            offenders += [f"{path.name}: {n}" for n in names
+                          if n.split(".")[0].startswith(("test_", "conftest", "tests"))]
+    assert offenders == []

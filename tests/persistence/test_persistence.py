@@ -571,7 +571,7 @@ def test_unsupported_class_at_save_explains(tmp_path):
 
 
 def test_register_class_then_trust_on_load(tmp_path, monkeypatch):
-    name = "tests.test_persistence._Custom"
+    name = f"{_Custom.__module__}.{_Custom.__qualname__}"
     monkeypatch.setitem(persistence._REGISTERED, name, _Custom)
     path = save(_Custom(alpha=3.0), tmp_path / "c")
     monkeypatch.delitem(persistence._REGISTERED, name)
