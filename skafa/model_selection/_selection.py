@@ -78,6 +78,32 @@ def _get_scorer(estimator, scoring):
 
 
 def resolve_sites(sites, X):
+    """The sites to compare: ``sites`` checked against ``X.sites``, or all of them.
+
+    Parameters
+    ----------
+    sites : sequence of str or None
+        ``None`` means every site of ``X``.
+    X : TurnFeatures
+
+    Returns
+    -------
+    sites : tuple of str
+
+    Raises
+    ------
+    ValueError
+        ``sites`` is empty, holds duplicates, or names a site ``X`` lacks (the
+        message lists the available sites).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skafa import TurnFeatures
+    >>> X = TurnFeatures(np.zeros((3, 2, 1)), np.array([0, 3]), sites=("a", "b"))
+    >>> resolve_sites(None, X), resolve_sites(["b"], X)
+    (('a', 'b'), ('b',))
+    """
     if sites is None:
         return tuple(X.sites)
     names = [s for s in sites]
