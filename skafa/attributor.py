@@ -22,13 +22,16 @@ Everything it computes comes from the fitted :attr:`~FailureAttributor.pipeline_
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 from sklearn.base import BaseEstimator, clone
+from sklearn.utils import metadata_routing
 from sklearn.utils.validation import check_is_fitted
 
-from .compose import AttributionPipeline, final_step_call, final_step_input
+from .base import DecisiveStepMixin
+from .compose import AttributionPipeline, final_step_input
 from .conversation import Conversation, check_conversations
 from .metrics import (
     AGENT_RULES,
@@ -317,7 +320,32 @@ def _true_agents(convs, y, defaulted):
 # ---------------------------------------------------------------------------
 
 
-class FailureAttributor(PersistenceMixin, BaseEstimator):
+def _warn_if_not_recommended(given, recommended):
+    """Warn when an extractor passed with the recommended selector reads otherwise.
+
+    ``FailureAttributor(TurnActivationTransformer(model, prompt=...))`` keeps the
+    recommended selector but the given extractor's ``read`` and ``sites``; a user
+    who only meant to change the prompt would leave the recommended
+    configuration without knowing it.
+    """
+    if type(given) is not type(recommended):
+        return  # another kind of features (e.g. a union): a deliberate choice
+    theirs, ours = given.get_params(deep=False), recommended.get_params(deep=False)
+    differ = [k for k in ("read", "sites") if theirs.get(k) != ours.get(k)]
+    if differ:
+        detail = ", ".join(f"{k}={theirs.get(k)!r} (recommended {ours.get(k)!r})"
+                           for k in differ)
+        warnings.warn(
+            f"FailureAttributor: the extractor passed in has {detail}, so this is "
+            "not the recommended configuration although the recommended selector is "
+            "used. To change only the prompt, cache, dtype or device, build both "
+            "pieces with FailureAttributor(*make_configuration(RECOMMENDED, model, "
+            "prompt=..., cache_dir=...)).",
+            UserWarning, stacklevel=4,
+        )
+
+
+class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
     """Find the decisive step and agent of failed multi-agent runs, in one object.
 
     A thin composite of two pieces, each configured through its own parameters
@@ -352,6 +380,11 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
         :class:`~skafa.TurnFeatures` (a ``TurnActivationTransformer`` with its
         ``read``, ``sites``, ``prompt``, ``cache_dir``, ``device``... or a
         :class:`~skafa.TurnFeatureUnion` with position features).
+        **To change one knob and keep the recommended configuration** (prompt
+        budget, dtype, cache, device), build both pieces with
+        ``FailureAttributor(*make_configuration(RECOMMENDED, model, prompt=...,
+        cache_dir=...))``; an extractor passed with ``selector=None`` whose
+        ``read`` or ``sites`` differ from the recommended ones gets a warning.
     selector : estimator, default=None
         The estimator fitted on the features: anything with ``fit(X, y,
         groups=)``, ``predict``, ``turn_decision_function`` and
@@ -415,12 +448,10 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
         self.extractor = extractor
         self.selector = selector
 
-    def __sklearn_tags__(self):
-        tags = super().__sklearn_tags__()
-        tags.estimator_type = None  # not a classifier: see Notes
-        tags.input_tags.two_d_array = False  # X is a list of Conversation
-        tags.target_tags.required = False  # y defaults to the conversations' labels
-        return tags
+    #: ``fit`` and ``score`` read the conversations' labels when ``y`` is None.
+    _decisive_requires_y = False
+    _score_takes_sample_weight = False
+    __metadata_request__score = {"sample_weight": metadata_routing.UNUSED}
 
     # ------------------------------------------------------------------ build
     def _make_pipeline(self):
@@ -429,6 +460,8 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
         model = self.extractor if isinstance(self.extractor, str) else "smollm2"
         extractor, selector = make_configuration(RECOMMENDED, model)
         if not isinstance(self.extractor, str):
+            if self.selector is None:
+                _warn_if_not_recommended(self.extractor, extractor)
             extractor = clone(self.extractor)
         if self.selector is not None:
             selector = clone(self.selector)
@@ -489,80 +522,19 @@ class FailureAttributor(PersistenceMixin, BaseEstimator):
         check_is_fitted(self)
         return check_conversations(X, "FailureAttributor")
 
-    def predict(self, X):
-        """Decisive step of every conversation.
+    # ------------------------------------------- DecisiveStepMixin hooks
+    # predict, predict_agent, turn_decision_function and turn_predict_proba are
+    # the fitted pipeline's, on the validated conversations.
+    def _decisive_delegate(self, X, method):
+        convs = self._convs(X)  # checks that it is fitted first
+        return self.pipeline_, convs
 
-        Parameters
-        ----------
-        X : list of Conversation
-
-        Returns
-        -------
-        steps : ndarray of int, shape (n_conversations,)
-        """
-        convs = self._convs(X)
-        return self.pipeline_.predict(convs)
-
-    def predict_agent(self, X):
-        """Speaker of the predicted decisive turn of every conversation.
-
-        Parameters
-        ----------
-        X : list of Conversation
-
-        Returns
-        -------
-        agents : ndarray of object, shape (n_conversations,)
-        """
-        convs = self._convs(X)
-        return final_step_call(self.pipeline_, "predict_agent", convs)
-
-    def turn_decision_function(self, X):
-        """The probe's score of every turn, per conversation.
-
-        Parameters
-        ----------
-        X : list of Conversation
-
-        Returns
-        -------
-        scores : list of ndarray of shape (n_turns_i,)
-        """
-        convs = self._convs(X)
-        return final_step_call(self.pipeline_, "turn_decision_function", convs)
-
-    def turn_predict_proba(self, X):
-        """Probability that each turn is the decisive one, per conversation.
-
-        Parameters
-        ----------
-        X : list of Conversation
-
-        Returns
-        -------
-        proba : list of ndarray of shape (n_turns_i,)
-            Each sums to 1.
-        """
-        convs = self._convs(X)
-        return final_step_call(self.pipeline_, "turn_predict_proba", convs)
-
-    def score(self, X, y=None):
-        """Step accuracy on ``X``.
-
-        Parameters
-        ----------
-        X : list of Conversation
-        y : array-like of int, default=None
-            True steps; ``None`` reads the conversations' ``mistake_step``.
-
-        Returns
-        -------
-        accuracy : float
-        """
+    def _score(self, X, y, sample_weight):
+        # Step accuracy; ``y=None`` reads the conversations' ``mistake_step``.
         convs = self._convs(X)
         if y is None:
             y = labels_from_conversations(convs, "FailureAttributor.score")
-        return float(self.pipeline_.score(convs, y))
+        return self.pipeline_.score(convs, y)
 
     # --------------------------------------------------------------- evaluate
     def evaluate(self, X, y=None, *, agents=None, n_resamples=2000, confidence=0.95,

@@ -430,3 +430,26 @@ def test_reports_name_every_averaged_site(conversations):
     assert fa.attribute(conversations[25]).site == label
     assert fa.evaluate(conversations[24:], n_resamples=50).site == label
     assert f"site='{label}'" in repr(fa.attribute(conversations[25]))
+
+
+def test_extractor_with_another_read_than_recommended_warns(conversations):
+    """Issue 31: an extractor passed in silently left the recommended read."""
+    from skafa.configurations import RECOMMENDED, make_configuration
+
+    y = [c.mistake_step for c in conversations]
+    # Only the prompt changed, but read/sites are the transformer's defaults.
+    fa = FailureAttributor(TurnActivationTransformer(MODEL, prompt=PromptTemplate()))
+    with pytest.warns(UserWarning, match="not the recommended configuration"):
+        fa._make_pipeline()
+    # The documented way keeps the recommended read and sites: no warning.
+    acts, selector = make_configuration(RECOMMENDED, MODEL, prompt=PromptTemplate())
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FailureAttributor(acts)._make_pipeline()
+        FailureAttributor(acts, selector)._make_pipeline()
+    # An explicit selector is a deliberate choice: no warning either.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _fa().fit(conversations[:20], y[:20])

@@ -92,8 +92,7 @@ def test_available_if_hook(X):
 
 #: decisive-step estimators not yet moved onto the mixin (issue 28, remaining work);
 #: strict xfail: moving one makes its case XPASS, which fails until it leaves this set.
-_NOT_YET = {"SiteSelector", "PromptedJudge", "AttributionPipeline",
-            "FailureAttributor"}
+_NOT_YET = {"PromptedJudge"}  # helper moves it
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from sklearn.utils.metaestimators import available_if
 from sklearn.utils.parallel import Parallel, delayed
 from sklearn.utils.validation import check_is_fitted
 
+from ..base import DecisiveStepMixin
 from ..features import TurnFeatures, check_turn_features
 from ..utils.progress import Timer
 from ..utils.sklearn_compat import (
@@ -744,7 +745,7 @@ def final_step_call(estimator, method, X):
     return getattr(final, method)(Xt)
 
 
-class AttributionPipeline(Pipeline):
+class AttributionPipeline(Pipeline, DecisiveStepMixin):
     """A :class:`~sklearn.pipeline.Pipeline` that also delegates skafa's methods.
 
     Identical to scikit-learn's Pipeline (same parameters, cloning, grid search,
@@ -798,52 +799,15 @@ class AttributionPipeline(Pipeline):
         tags.target_tags.required = last.target_tags.required
         return tags
 
-    @available_if(final_estimator_has("predict_agent"))
-    def predict_agent(self, X):
-        """Speaker of the predicted decisive turn of each conversation.
+    # ------------------------------------------- DecisiveStepMixin hooks
+    # Pipeline's own predict and score come first in the MRO (with metadata
+    # routing); the mixin adds predict_agent, turn_decision_function and
+    # turn_predict_proba, forwarded to the last step on transformed X.
+    def _has_decisive_method(self, name):
+        return final_estimator_has(name)(self)
 
-        Parameters
-        ----------
-        X : list of Conversation or TurnFeatures
-            Input of the first step.
-
-        Returns
-        -------
-        ndarray of object, shape (n_conversations,)
-        """
-        return final_step_call(self, "predict_agent", X)
-
-    @available_if(final_estimator_has("turn_decision_function"))
-    def turn_decision_function(self, X):
-        """Per-turn scores of each conversation (a list of 1-D arrays).
-
-        Parameters
-        ----------
-        X : list of Conversation or TurnFeatures
-            Input of the first step.
-
-        Returns
-        -------
-        list of ndarray
-            One array of length ``n_turns_i`` per conversation.
-        """
-        return final_step_call(self, "turn_decision_function", X)
-
-    @available_if(final_estimator_has("turn_predict_proba"))
-    def turn_predict_proba(self, X):
-        """Per-conversation probabilities over turns (a list of 1-D arrays).
-
-        Parameters
-        ----------
-        X : list of Conversation or TurnFeatures
-            Input of the first step.
-
-        Returns
-        -------
-        list of ndarray
-            One array per conversation, summing to 1.
-        """
-        return final_step_call(self, "turn_predict_proba", X)
+    def _decisive_delegate(self, X, method):
+        return final_step_input(self, X)
 
 
 def make_attribution_pipeline(*steps, memory=None, verbose=False):

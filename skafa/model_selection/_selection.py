@@ -28,7 +28,6 @@ from sklearn.utils.metadata_routing import (
     MethodMapping,
     process_routing,
 )
-from sklearn.utils.metaestimators import available_if
 from sklearn.utils.parallel import Parallel, delayed
 from sklearn.utils.validation import check_is_fitted
 
@@ -240,7 +239,7 @@ def _estimator_has(attr):
     return check
 
 
-class SiteSelector(PersistenceMixin, MetaEstimatorMixin, BaseEstimator):
+class SiteSelector(DecisiveStepMixin, PersistenceMixin, MetaEstimatorMixin, BaseEstimator):
     """Choose the activation site by grouped cross-validation, then refit there.
 
     For every site (default: all sites of ``X``) a clone of ``estimator`` is
@@ -661,83 +660,21 @@ class SiteSelector(PersistenceMixin, MetaEstimatorMixin, BaseEstimator):
             )
         return self.best_estimator_.n_features_in_
 
-    @available_if(_estimator_has("predict"))
-    def predict(self, X):
-        """Decisive step of every conversation, read at ``best_site_``.
+    # ------------------------------------------- DecisiveStepMixin hooks
+    def _has_decisive_method(self, name):
+        return _estimator_has(name)(self)
 
-        Parameters
-        ----------
-        X : TurnFeatures
+    def _decisive_delegate(self, X, method):
+        # predict, predict_agent, turn_decision_function and turn_predict_proba
+        # are the refitted best estimator's, read at ``best_sites_``.
+        self._check_refitted(method)
+        return self.best_estimator_, self._at_best_site(X)
 
-        Returns
-        -------
-        steps : ndarray of int, shape (n_conversations,)
-        """
-        self._check_refitted("predict")
-        return self.best_estimator_.predict(self._at_best_site(X))
-
-    @available_if(_estimator_has("predict_agent"))
-    def predict_agent(self, X):
-        """Speaker of the predicted decisive turn, read at ``best_site_``.
-
-        Parameters
-        ----------
-        X : TurnFeatures
-
-        Returns
-        -------
-        agents : ndarray of object, shape (n_conversations,)
-        """
-        self._check_refitted("predict_agent")
-        return self.best_estimator_.predict_agent(self._at_best_site(X))
-
-    @available_if(_estimator_has("turn_decision_function"))
-    def turn_decision_function(self, X):
-        """Per-turn scores at ``best_site_`` (list of 1-D arrays).
-
-        Parameters
-        ----------
-        X : TurnFeatures
-
-        Returns
-        -------
-        scores : list of ndarray of shape (n_turns_i,)
-        """
-        self._check_refitted("turn_decision_function")
-        return self.best_estimator_.turn_decision_function(self._at_best_site(X))
-
-    @available_if(_estimator_has("turn_predict_proba"))
-    def turn_predict_proba(self, X):
-        """Per-turn probabilities at ``best_site_`` (list of 1-D arrays).
-
-        Parameters
-        ----------
-        X : TurnFeatures
-
-        Returns
-        -------
-        proba : list of ndarray of shape (n_turns_i,)
-        """
-        self._check_refitted("turn_predict_proba")
-        return self.best_estimator_.turn_predict_proba(self._at_best_site(X))
-
-    def score(self, X, y, sample_weight=None):
-        """Score at ``best_site_`` with ``scoring`` (the estimator's score if None).
-
-        Parameters
-        ----------
-        X : TurnFeatures
-        y : array-like of int, shape (n_conversations,)
-        sample_weight : array-like of shape (n_conversations,), default=None
-            Passed on to the scorer when given (skafa's step scorers take none).
-
-        Returns
-        -------
-        score : float
-        """
+    def _score(self, X, y, sample_weight):
+        # ``scoring`` (the estimator's own score when None) at ``best_sites_``.
         self._check_refitted("score")
         kwargs = {} if sample_weight is None else {"sample_weight": sample_weight}
-        return float(self.scorer_(self.best_estimator_, self._at_best_site(X), y, **kwargs))
+        return self.scorer_(self.best_estimator_, self._at_best_site(X), y, **kwargs)
 
     # ------------------------------------------------------------------ routing
     def get_metadata_routing(self):
@@ -768,16 +705,6 @@ class SiteSelector(PersistenceMixin, MetaEstimatorMixin, BaseEstimator):
             method_mapping=MethodMapping().add(caller="fit", callee="split"),
         )
         return router
-
-    def __sklearn_tags__(self):
-        tags = super().__sklearn_tags__()
-        # Not a classifier: see skafa.probes; estimator_type stays None.
-        tags.target_tags.required = True
-        # X is a TurnFeatures: bare arrays and sparse matrices are refused.
-        tags.input_tags.two_d_array = False
-        tags.input_tags.sparse = False
-        return tags
-
 
 def _fit_member(estimator, X, y, params):
     return estimator.fit(X, y, **params)
