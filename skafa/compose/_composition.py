@@ -28,7 +28,7 @@ from sklearn.utils.metaestimators import available_if
 from sklearn.utils.parallel import Parallel, delayed
 from sklearn.utils.validation import check_is_fitted
 
-from ..base import DecisiveStepMixin
+from ..base import DecisiveStepMixin, TurnInputMixin
 from ..features import TurnFeatures, check_turn_features
 from ..utils.progress import Timer
 from ..utils.sklearn_compat import (
@@ -64,7 +64,7 @@ def _transformer_has(attr):
     return check
 
 
-class PerTurn(TransformerMixin, MetaEstimatorMixin, BaseEstimator,
+class PerTurn(TurnInputMixin, TransformerMixin, MetaEstimatorMixin, BaseEstimator,
               auto_wrap_output_keys=None):
     """Apply a scikit-learn transformer to the turn rows of every site block.
 
@@ -236,9 +236,8 @@ class PerTurn(TransformerMixin, MetaEstimatorMixin, BaseEstimator,
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
-        # X is a TurnFeatures: bare arrays and sparse matrices are refused (sparse
-        # blocks inside a TurnFeatures are passed to the transformer).
-        tags.input_tags.two_d_array = False
+        # sparse blocks inside a TurnFeatures are passed to the transformer; bare
+        # sparse matrices are refused.
         tags.input_tags.sparse = False
         tags.transformer_tags.preserves_dtype = list(
             get_tags(self.transformer).transformer_tags.preserves_dtype)
@@ -262,7 +261,8 @@ def _transform_one(transformer, X):
     return transformer.transform(X)
 
 
-class TurnFeatureUnion(TransformerMixin, BaseComposition, auto_wrap_output_keys=None):
+class TurnFeatureUnion(TurnInputMixin, TransformerMixin, BaseComposition,
+                       auto_wrap_output_keys=None):
     """Concatenate the per-turn features of several conversation transformers.
 
     Like :class:`sklearn.pipeline.FeatureUnion`, but each transformer maps a list of
@@ -523,7 +523,6 @@ class TurnFeatureUnion(TransformerMixin, BaseComposition, auto_wrap_output_keys=
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
-        tags.input_tags.two_d_array = False
         tags.transformer_tags.preserves_dtype = []  # the input has no dtype
         tags.requires_fit = True
         return tags
@@ -536,7 +535,8 @@ class TurnFeatureUnion(TransformerMixin, BaseComposition, auto_wrap_output_keys=
 
 
 # --------------------------------------------------------------- site concatenator
-class SiteConcatenator(TransformerMixin, BaseEstimator, auto_wrap_output_keys=None):
+class SiteConcatenator(TurnInputMixin, TransformerMixin, BaseEstimator,
+                       auto_wrap_output_keys=None):
     """Join several activation sites of a :class:`~skafa.TurnFeatures` into one block.
 
     ``resid_pre.10`` (576 features) and ``resid_pre.20`` (576) become one site
@@ -685,7 +685,6 @@ class SiteConcatenator(TransformerMixin, BaseEstimator, auto_wrap_output_keys=No
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
-        tags.input_tags.two_d_array = False
         tags.transformer_tags.preserves_dtype = ["float64", "float32"]
         tags.requires_fit = True
         return tags

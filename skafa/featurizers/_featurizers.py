@@ -31,6 +31,7 @@ import scipy.sparse as sp
 from sklearn.base import BaseEstimator, TransformerMixin, clone
 from sklearn.utils.validation import check_is_fitted
 
+from ..base import TurnInputMixin
 from ..conversation import check_conversations
 from ..features import TurnFeatures
 from ..utils.sklearn_compat import HasMethods, Interval, fit_context
@@ -53,7 +54,8 @@ _OTHER_SPEAKER = "speaker_other"
 
 
 # ----------------------------------------------------------------- position features
-class TurnPositionTransformer(TransformerMixin, BaseEstimator, auto_wrap_output_keys=None):
+class TurnPositionTransformer(TurnInputMixin, TransformerMixin, BaseEstimator,
+                              auto_wrap_output_keys=None):
     """Position, length and speaker features of every turn (no language model).
 
     One dense row per turn, grouped by conversation in a :class:`~skafa.TurnFeatures`
@@ -276,14 +278,14 @@ class TurnPositionTransformer(TransformerMixin, BaseEstimator, auto_wrap_output_
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
-        tags.input_tags.two_d_array = False
         tags.requires_fit = True
         tags.transformer_tags.preserves_dtype = []  # the input has no dtype
         return tags
 
 
 # --------------------------------------------------------------------- text features
-class TurnTextTransformer(TransformerMixin, BaseEstimator, auto_wrap_output_keys=None):
+class TurnTextTransformer(TurnInputMixin, TransformerMixin, BaseEstimator,
+                          auto_wrap_output_keys=None):
     """Bag-of-words features of every turn's text (sparse).
 
     Fits a text vectorizer on the training turns (each turn one document) and
@@ -467,7 +469,6 @@ class TurnTextTransformer(TransformerMixin, BaseEstimator, auto_wrap_output_keys
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
-        tags.input_tags.two_d_array = False  # a list of Conversation, not strings
         tags.requires_fit = True
         tags.transformer_tags.preserves_dtype = []  # the input has no dtype
         return tags
