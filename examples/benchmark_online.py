@@ -66,7 +66,8 @@ def main(argv=None):
                    help="'all', 'stride:K' (every K-th resid_pre + resid_final) or a list")
     p.add_argument("--n-jobs", type=int, default=1)
     p.add_argument("--n-resamples", type=int, default=2000)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto",
+                   help="auto: bfloat16 on CUDA and CPUs with bf16 units, else float32")
     p.add_argument("--extract-only", action="store_true",
                    help="fill the activation cache and stop")
     p.add_argument("--resume", action="store_true",

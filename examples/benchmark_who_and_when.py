@@ -81,10 +81,11 @@ def main(argv=None):
                    help="run fits and extraction on Dask: a scheduler address "
                         "(tcp://host:8786) or local:N for a LocalCluster of N processes")
     p.add_argument("--n-resamples", type=int, default=2000)
-    p.add_argument("--dtype", default="float32",
-                   choices=("float32", "bfloat16", "float16", "float64"),
-                   help="the model's dtype for every row that reads it (default float32; "
-                        "another one is a deviation of section 3)")
+    p.add_argument("--dtype", default="auto",
+                   choices=("auto", "float32", "bfloat16", "float16", "float64"),
+                   help="the model's dtype for every row that reads it (default auto: "
+                        "bfloat16 on CUDA and CPUs with bf16 units, else float32; a dtype "
+                        "other than float32 is reported as a deviation of section 3)")
     p.add_argument("--no-judge", action="store_true", help="skip the PromptedJudge baseline")
     p.add_argument("--preregistered", action="store_true",
                    help="run the pre-registered comparison of docs/benchmarks.md section 3 "

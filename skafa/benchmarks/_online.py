@@ -95,7 +95,7 @@ class OnlineBenchmarkSettings:
     sites: str = "stride:3"
     n_jobs: int | None = 1
     n_resamples: int = 2000
-    dtype: str = "float32"
+    dtype: str = "auto"
     extract_only: bool = False
     resume: bool = False
     command: str = ""

@@ -49,6 +49,7 @@ from ..llm import (
     load_model,
     parse_site_spec,
     plan,
+    resolve_dtype,
 )
 from ..model_selection import (
     FoldResultStore,
@@ -114,7 +115,7 @@ class BenchmarkSettings:
     read: str = "last"
     n_jobs: int | None = 1
     n_resamples: int = 2000
-    dtype: str = "float32"
+    dtype: str = "auto"
     no_judge: bool = False
     preregistered: bool = False
     reads: list = dataclasses.field(default_factory=lambda: list(PREREGISTERED_READS))
@@ -158,6 +159,9 @@ def _open_cell(settings, conversations):
     tag = settings.tag or Path(str(settings.model)).stem.split(".")[0]
     y = np.array([c.mistake_step for c in convs])
     groups = np.array([c.task_id for c in convs], dtype=object)
+    # "auto" is resolved once, so that tables, result files and cache keys name
+    # the dtype that ran (bfloat16 on CUDA and bf16-unit CPUs, else float32).
+    settings.dtype = resolve_dtype(settings.dtype, model=settings.model)
     model, tokenizer = load_model(settings.model, dtype=settings.dtype)
     ctx = context_length(model)
     return convs, tag, y, groups, model, tokenizer, ctx, min(ctx, settings.max_prompt_tokens)
