@@ -26,6 +26,9 @@ then a progress bar per conversation. Every finished conversation is in the disk
 cache at once, so an interrupted run (Ctrl-C) resumes where it stopped when the
 same command is run again.
 
+The steps live in :mod:`skafa.benchmarks` (:func:`~skafa.benchmarks.prepare_main_job`,
+:func:`~skafa.benchmarks.run_main_job`); this script is their command line.
+
 Run it with ``examples/run_main_job.sh`` (sets up the environment) or directly::
 
     python examples/quickstart.py --limit 20          # smoke run
@@ -35,43 +38,15 @@ Run it with ``examples/run_main_job.sh`` (sets up the environment) or directly::
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
-from sklearn.model_selection import (
-    GridSearchCV,
-    GroupKFold,
-    GroupShuffleSplit,
-    cross_val_predict,
-)
-
-from skafa.attributor import FailureAttributor
-from skafa.baselines import DummyStepClassifier
-from skafa.compose import make_attribution_pipeline
-from skafa.configurations import RECOMMENDED, make_configuration, parse_configuration
-from skafa.datasets import load_who_and_when
-from skafa.featurizers import TurnPositionTransformer, TurnTextTransformer
-from skafa.llm import (
-    PromptTemplate,
-    TurnActivationTransformer,
-    context_length,
-    load_model,
-    parse_site_spec,
-    plan,
-)
-from skafa.metrics import (
-    agent_accuracy,
-    bootstrap_ci,
-    paired_bootstrap_ci,
-    step_accuracy,
-    within_k_accuracy,
-)
-from skafa.probes import GroupedArgmaxLogisticClassifier
+from skafa.benchmarks import MainJobSettings, prepare_main_job, run_main_job
 
 REPO = Path(__file__).resolve().parents[1]
+log = functools.partial(print, flush=True)
 
 
 def default_data_path() -> str:
@@ -89,7 +64,7 @@ def parse_args(argv=None):
                    help="Who&When folder (env SKAFA_WHO_AND_WHEN overrides the default)")
     p.add_argument("--subset", default="Algorithm-Generated",
                    help="Algorithm-Generated, Hand-Crafted or 'all'")
-    p.add_argument("--model", default="smollm2", help="model name or path (skafa.llm._models)")
+    p.add_argument("--model", default="smollm2", help="model name or path (skafa.llm.load_model)")
     p.add_argument("--cache-dir", default=str(Path("~/.cache/skafa").expanduser()),
                    help="on-disk activation cache ('' for memory only)")
     p.add_argument("--sites", default="stride:3",
@@ -106,218 +81,23 @@ def parse_args(argv=None):
                    help="compute dtype; auto: bfloat16 on a GPU or a CPU with bf16 units")
     p.add_argument("--n-resamples", type=int, default=2000, help="bootstrap resamples")
     p.add_argument("--seed", type=int, default=0, help="seed of splits and bootstrap")
+    p.add_argument("--plan-only", action="store_true",
+                   help="print the plan (prompt tokens, FLOPs, ETA from one calibration "
+                        "pass) and stop before extracting")
     return p.parse_args(argv)
-
-
-def choose_sites(spec: str, n_layers: int) -> list:
-    try:
-        return list(parse_site_spec(spec, n_layers))
-    except ValueError as exc:
-        raise SystemExit(f"--sites: {exc}") from None
-
-
-def fmt_ci(r, digits=3):
-    return f"{r.estimate:.{digits}f} [{r.low:.{digits}f}, {r.high:.{digits}f}]"
 
 
 def main(argv=None):
     args = parse_args(argv)
-    t_start = time.perf_counter()
-    times = {}
-
-    # ------------------------------------------------------------------ data
-    subset = None if args.subset == "all" else args.subset
-    data = load_who_and_when(args.data, subset=subset)
-    convs = list(data.conversations)
-    if args.limit is not None:
-        convs = convs[: args.limit]
-    y = np.asarray([c.mistake_step for c in convs], dtype=np.int64)
-    groups = np.asarray([c.task_id for c in convs], dtype=object)
-    true_agents = [c.mistake_agent for c in convs]
-    n_tasks = len(set(groups.tolist()))
-    print(f"data: {len(convs)} conversations ({args.subset}) from {data.path}, "
-          f"{n_tasks} tasks, {np.mean([len(c) for c in convs]):.1f} turns on average")
-
-    # ----------------------------------------------------------------- model
-    t = time.perf_counter()
-    model, tokenizer = load_model(args.model, device=args.device)
-    ctx = context_length(model)
-    n_layers = model.config.num_hidden_layers
-    times["model load"] = time.perf_counter() - t
-    print(f"model: {args.model} ({type(model).__name__}, {n_layers} layers x "
-          f"{model.config.hidden_size}, context {ctx} tokens) loaded in "
-          f"{times['model load']:.1f} s")
-
-    read, _, _, n_top, features = parse_configuration(RECOMMENDED)
-    print(f"configuration: {RECOMMENDED!r} (skafa.configurations.RECOMMENDED, picked by "
-          f"the pre-registered rule; docs/benchmarks.md section 3): read={read!r}")
-
-    # ---------------------------------------------------------------- prompts
-    # Never cut silently: report which prompts exceed the context and shorten
-    # those deliberately, middle of the longest turns first, with a marker. The
-    # prompt planned is the one of the configuration's read (echo: the transcript twice).
-    t = time.perf_counter()
-    template = PromptTemplate(shorten="middle_first", max_prompt_tokens=ctx)
-    raw = plan(convs, tokenizer, PromptTemplate(), max_tokens=ctx, read=read)
-    short = plan(convs, tokenizer, template, max_tokens=ctx, read=read)
-    times["prompt planning"] = time.perf_counter() - t
-    shortened = [r for r in short if r["chars_removed"] > 0]
-    total_chars = sum(len(turn.content) for c in convs for turn in c.turns)
-    print(f"prompts: {len(raw.too_long)} of {len(convs)} exceed the {ctx}-token context "
-          f"(longest {int(raw.n_tokens.max())} tokens). Policy: "
-          f"PromptTemplate(shorten='middle_first', max_prompt_tokens={ctx}).")
-    print(f"  shortened {len(shortened)} conversations, removing "
-          f"{short.total_chars_removed:,} characters "
-          f"({100 * short.total_chars_removed / max(total_chars, 1):.2f}% of all turn text)"
-          + (":" if shortened else "."))
-    for r in shortened:
-        before = raw[r["index"]]["n_tokens"]
-        n_turns_cut = sum(1 for v in r["turn_chars_removed"] if v > 0)
-        print(f"    {r['record_id']}: {before} -> {r['n_tokens']} tokens, "
-              f"{r['chars_removed']:,} characters removed from {n_turns_cut} of "
-              f"{r['n_turns']} turns")
-    if not short.all_fit:
-        bad = ", ".join(str(r["record_id"]) for r in short.too_long)
-        raise SystemExit(f"these prompts cannot be shortened enough to fit: {bad}")
-
-    # ------------------------------------------------------------- extraction
-    # Every site costs the same single forward pass, so read them all once and
-    # cache them; the probe's site search then compares a subset.
-    t = time.perf_counter()
-    extractor = TurnActivationTransformer(
-        args.model, sites=None, read=read, prompt=template, device=args.device,
-        dtype=args.dtype,
-        cache_dir=args.cache_dir or None, batch_size=args.batch_size, verbose=1,
-    ).fit(convs)
-    estimate = extractor.estimate_cost(convs)
-    print(f"extraction plan: all {len(extractor.sites_)} sites of {len(convs)} "
-          f"conversations, one forward pass each; {estimate['summary']}.")
-    if estimate["n_to_extract"] and args.cache_dir:
-        print(f"  every finished conversation is cached in {args.cache_dir} at once: "
-              "interrupt (Ctrl-C) and run the same command again to resume.", flush=True)
+    settings = MainJobSettings(**vars(args))
+    try:  # sites the model does not have, prompts that cannot be made to fit
+        job = prepare_main_job(settings, log=log)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     try:
-        X_all = extractor.transform(convs)
-    except KeyboardInterrupt:
-        left = extractor.estimate_cost(convs, calibrate=False)
-        print(f"\ninterrupted: {left['n_cached']} of {len(convs)} conversations are cached"
-              + (f" in {args.cache_dir}; run the same command again to resume."
-                 if args.cache_dir else " in memory only (no --cache-dir): a rerun starts over."))
+        return run_main_job(job, log=log)
+    except KeyboardInterrupt:  # said by run_main_job: how many conversations are cached
         raise SystemExit(130) from None
-    times["extraction"] = time.perf_counter() - t
-    stats = extractor.run_stats
-    print(f"extraction: {X_all.n_turns_total} turns x {X_all.n_sites} sites x "
-          f"{X_all.n_features} features in {times['extraction']:.1f} s "
-          f"({stats['n_forward_passes']} forward passes; cache: "
-          f"{stats['memory_hits']} memory hits, {stats['disk_hits']} disk hits, "
-          f"{stats['misses']} misses) [cache dir: {args.cache_dir or 'none'}]")
-
-    # ---------------------------------------------------- cross-validation
-    sites = choose_sites(args.sites, n_layers)
-    X = X_all.select_sites(sites)
-    outer = GroupKFold(n_splits=5)
-    # The recommended configuration as one pipeline over conversations: every fold
-    # reads the activations from the cache filled above and fits everything else
-    # (position features where the configuration has them, C, the site) on its
-    # training part only.
-    config_extractor, selector = make_configuration(
-        RECOMMENDED, args.model, random_state=args.seed, prompt=template,
-        device=args.device, dtype=args.dtype, cache_dir=args.cache_dir or None,
-        batch_size=args.batch_size)
-    config_extractor.set_params(**{"sites" if features == "acts" else "act__sites": sites})
-    probe = make_attribution_pipeline(config_extractor, selector)
-    grid = selector.param_grid
-    what = "one" if n_top == 1 else f"the {n_top} best (their scores averaged)"
-    print(f"cross-validation: outer GroupKFold(5) by task id; inside each training fold "
-          f"SiteSelector picks {what} of {len(sites)} sites ({', '.join(sites)}) and "
-          f"{grid} jointly by GroupKFold(5)")
-    t = time.perf_counter()
-    pred = {"probe (skafa)": cross_val_predict(probe, convs, y, groups=groups, cv=outer)}
-    times["cross-validation (probe)"] = time.perf_counter() - t
-    baselines = {
-        "always step 1": DummyStepClassifier(strategy="constant", constant=1),
-        "most frequent step": DummyStepClassifier(strategy="most_frequent"),
-    }
-    for name, est in baselines.items():
-        pred[name] = cross_val_predict(est, X, y, groups=groups, cv=outer)
-    # The honest baselines, on the same outer folds: what a turn's position and speaker,
-    # or its words, already tell (C chosen on inner grouped folds, as for the probe).
-    t = time.perf_counter()
-    for name, featurizer in (("position-only", TurnPositionTransformer()),
-                             ("TF-IDF", TurnTextTransformer())):
-        search = GridSearchCV(
-            make_attribution_pipeline(featurizer, GroupedArgmaxLogisticClassifier()),
-            {"groupedargmaxlogisticclassifier__C": [0.001, 0.01, 0.1]},
-            cv=GroupKFold(n_splits=5))
-        pred[name] = cross_val_predict(search, convs, y, groups=groups, cv=outer,
-                                       params={"groups": groups})
-    times["cross-validation (baselines)"] = time.perf_counter() - t
-
-    boot = dict(n_resamples=args.n_resamples, random_state=args.seed, groups=groups)
-    table = {}
-    header = (f"{'method':<20} {'step acc [95% CI]':<24} {'agent acc [95% CI]':<24} "
-              f"{'within-1 [95% CI]':<24} {'n':>4}")
-    print()
-    print(header)
-    print("-" * len(header))
-    for name, steps in pred.items():
-        agents = list(X.speakers_at(steps))
-        s = bootstrap_ci(y, steps, step_accuracy, **boot)
-        a = bootstrap_ci(true_agents, agents, agent_accuracy, **boot)
-        w = bootstrap_ci(y, steps, within_k_accuracy, **boot)
-        table[name] = {"step": s, "agent": a, "within_1": w}
-        print(f"{name:<20} {fmt_ci(s):<24} {fmt_ci(a):<24} {fmt_ci(w):<24} {s.n:>4}")
-    print()
-    diffs = {}
-    for other in ("position-only", "TF-IDF", "always step 1"):
-        diffs[other] = d = paired_bootstrap_ci(y, pred["probe (skafa)"], pred[other],
-                                               step_accuracy, **boot)
-        print(f"probe - {other}, step accuracy: {d.estimate:+.3f} "
-              f"[{d.low:+.3f}, {d.high:+.3f}] (paired bootstrap)")
-    diff = diffs["always step 1"]
-    print("agent accuracy: rule 'normalized' (case-folded, trailing parentheticals "
-          "dropped) against the annotated mistake_agent; CIs resample whole tasks "
-          f"({args.n_resamples} resamples).")
-
-    # ------------------------------------------------- one attribution, explained
-    t = time.perf_counter()
-    split = GroupShuffleSplit(n_splits=1, test_size=0.2, random_state=args.seed)
-    train, test = next(split.split(convs, y, groups))
-    attributor = FailureAttributor(config_extractor, selector)
-    attributor.fit([convs[i] for i in train])
-    times["fit FailureAttributor"] = time.perf_counter() - t
-    held_out = [convs[i] for i in test]
-    report = attributor.evaluate(held_out, n_resamples=args.n_resamples,
-                                 random_state=args.seed)
-    chosen = attributor.pipeline_[-1]
-    score = float(np.max(chosen.candidate_scores_))  # the score C and the sites were chosen by
-    chosen_sites = "+".join(attributor.best_sites_)
-    print(f"\nFailureAttributor fitted on {len(train)} conversations (chosen by CV on "
-          f"them: sites {chosen_sites}, {chosen.best_params_}; CV step accuracy "
-          f"{score:.3f}); {len(test)} held out.")
-    print(report)
-    example = held_out[0]
-    attribution = attributor.attribute(example, top_k=3)
-    print(f"\nheld-out conversation {example.record_id} (task {example.task_id}, "
-          f"{len(example)} turns):")
-    print(f"  predicted: step {attribution.step}, agent {attribution.agent!r} "
-          f"(p = {attribution.probability:.3f})")
-    print(f"  true:      step {example.mistake_step}, agent {example.mistake_agent!r}")
-    print(attribution)
-
-    times["total"] = time.perf_counter() - t_start
-    print("\nwall times: " + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
-    return {
-        "sites": sites,
-        "predictions": pred,
-        "table": table,
-        "paired": diff,
-        "paired_all": diffs,
-        "plan": short,
-        "attributor": attributor,
-        "report": report,
-        "attribution": attribution,
-        "times": times,
-    }
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ _EXPORTS = {
     "GroupedSoftmaxClassifier": "probes",
     # baselines
     "DummyStepClassifier": "baselines",
+    "GraftedJudge": "baselines",
     "PromptedJudge": "baselines",
     # composition
     "PerTurn": "compose",

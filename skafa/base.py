@@ -28,7 +28,7 @@ from sklearn.utils.validation import check_is_fitted
 
 from .features import agents_at, check_turn_features
 from .utils.grouped import grouped_argmax, grouped_softmax
-from .utils.validation import check_steps, mean_hits
+from .utils.validation import check_steps, mean_hits, reference_cycle
 
 __all__ = ["DecisiveStepMixin", "TurnInputMixin"]
 
@@ -38,13 +38,30 @@ class TurnInputMixin:
 
     Sets ``input_tags.two_d_array = False``: scikit-learn's checks then do not feed
     it bare 2-D arrays. Place it before :class:`~sklearn.base.BaseEstimator` in the
-    bases.
+    bases. Its ``clone`` refuses a parameter that contains itself with an error
+    naming it (:func:`skafa.utils.validation.reference_cycle`).
     """
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         tags.input_tags.two_d_array = False
         return tags
+
+    def __sklearn_clone__(self):
+        """:func:`sklearn.base.clone`, refusing a parameter that contains itself.
+
+        scikit-learn's clone copies dict and list parameters element by element,
+        so a reference cycle (``d["self"] = d``) ends in a ``RecursionError``
+        from deep inside; this names the parameter instead.
+        """
+        cycle = reference_cycle(self)
+        if cycle is not None:
+            inner, outer = cycle
+            raise ValueError(
+                f"{type(self).__name__}: the parameter value {inner} is {outer} itself (a "
+                "reference cycle), so the estimator cannot be cloned (scikit-learn's clone "
+                "would recurse without end); pass a value without the cycle.")
+        return super().__sklearn_clone__()
 
 
 def _decisive_method_available(name):

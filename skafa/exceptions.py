@@ -8,6 +8,7 @@ Every error names what it refuses (record, turn, field, site or file).
 
 __all__ = [
     "CacheCorruptionWarning",
+    "ConfigurationError",
     "ConversationError",
     "ModelMismatchWarning",
     "PersistenceVersionWarning",
@@ -19,6 +20,15 @@ class ConversationError(ValueError):
     """Raised when a record cannot become a valid :class:`Conversation`.
 
     The message always names the record (when known) and the offending field.
+    """
+
+
+class ConfigurationError(ValueError):
+    """Raised when a configuration asks for what the model or the features cannot give.
+
+    For example a site search averaging the ``n_sites`` best sites when fewer
+    sites are compared (a small model under ``sites="stride:3"``). The message
+    names what was asked and what is available.
     """
 
 

@@ -25,6 +25,12 @@ accuracy at every activation site it compared (``cv_results_``), the site
 search behind the prediction. Both need matplotlib (``pip install
 "skafa[plot]"``).
 
+:func:`locator_heads_svg` draws per-head locator accuracy
+(:func:`skafa.metrics.locator_head_accuracy`) as a layer x head heatmap, an
+inline SVG fragment (no script) that :func:`attribution_html` can carry as an
+optional section (``locator_heads=``); :func:`plot_locator_heads` draws the same
+as a PNG.
+
 The same is available as ``Attribution.to_html(path)`` /
 ``Attribution.to_png(path)`` and from the command line (``skafa report``).
 """
@@ -40,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["attribution_html", "save_html", "plot_turn_scores", "plot_site_scores",
-           "score_colour", "close_figure"]
+           "score_colour", "close_figure", "locator_heads_svg", "plot_locator_heads"]
 
 #: Colours of the score scale, low to high (sRGB).
 _LOW = (236, 241, 248)
@@ -206,7 +212,8 @@ def _score_strip(scores, proba, unit, speakers, step, true_step):
             'annotated · hover a bar for its speaker, score and probability</div></nav>')
 
 
-def attribution_html(attribution, conversation=None, *, title=None) -> str:
+def attribution_html(attribution, conversation=None, *, title=None,
+                     locator_heads=None) -> str:
     """Render an attribution as a self-contained HTML page.
 
     Parameters
@@ -219,6 +226,11 @@ def attribution_html(attribution, conversation=None, *, title=None) -> str:
         the transcript lists speakers and scores only.
     title : str, default=None
         Page title; by default built from the record and task ids.
+    locator_heads : array-like or (array-like, float), default=None
+        Per-head locator accuracy ``(n_layers, n_heads)``, optionally with its
+        chance level (what :func:`skafa.metrics.locator_head_accuracy` returns):
+        adds a "Locator heads" section (``id="locator-heads"``) with
+        :func:`locator_heads_svg`. ``None``: no such section.
 
     Returns
     -------
@@ -369,18 +381,114 @@ def attribution_html(attribution, conversation=None, *, title=None) -> str:
             f'<a class="up" href="#summary">↑ summary</a>'
             f"<b>turn {t} · {_esc(speakers[t])}</b>{role_txt} · score {scores[t]:+.3f} · "
             f"p {proba[t]:.3f}{''.join(badges)}</div>{body}</div></section>")
+    if locator_heads is not None:
+        accuracy, chance = _accuracy_and_chance(locator_heads)
+        out.append('<h2>Locator heads</h2><div class="locator-heads" id="locator-heads">'
+                   '<div class="meta">share of labelled runs whose most-attended turn, from the '
+                   "answer position, is the decisive one, per layer and head</div>"
+                   f"{locator_heads_svg(accuracy, chance=chance)}</div>")
     out.append('<p class="meta">Made by skafa. Scores are a linear probe\'s reading of the '
                "language model's hidden state at each turn; the probe localizes a failure, "
                "it does not explain it.</p></body></html>")
     return "\n".join(out)
 
 
-def save_html(attribution, path, conversation=None, *, title=None) -> Path:
+def save_html(attribution, path, conversation=None, *, title=None,
+              locator_heads=None) -> Path:
     """Write :func:`attribution_html` to ``path`` (UTF-8); return the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(attribution_html(attribution, conversation, title=title), encoding="utf-8")
+    path.write_text(attribution_html(attribution, conversation, title=title,
+                                     locator_heads=locator_heads), encoding="utf-8")
     return path
+
+
+def _accuracy_and_chance(locator_heads):
+    """``(accuracy, chance)`` from an array or an ``(array, chance)`` pair."""
+    if isinstance(locator_heads, tuple) and len(locator_heads) == 2 and np.ndim(
+            locator_heads[1]) == 0:
+        return locator_heads[0], float(locator_heads[1])
+    return locator_heads, None
+
+
+def _check_accuracy(accuracy):
+    acc = np.asarray(accuracy, dtype=np.float64)
+    if acc.ndim != 2 or 0 in acc.shape:
+        raise ValueError(f"the locator accuracy must be a non-empty (n_layers, n_heads) array, "
+                         f"got shape {acc.shape}.")
+    if not np.isfinite(acc).all() or acc.min() < 0 or acc.max() > 1:
+        raise ValueError("the locator accuracy must hold shares in [0, 1].")
+    return acc
+
+
+def locator_heads_svg(accuracy, *, chance=None, cell=18, layer_labels=None) -> str:
+    """Per-head locator accuracy as a layer x head heatmap: an inline SVG fragment.
+
+    Parameters
+    ----------
+    accuracy : array-like of shape (n_layers, n_heads)
+        Shares in ``[0, 1]``, e.g. from :func:`skafa.metrics.locator_head_accuracy`.
+    chance : float, default=None
+        The chance level, named in the caption; cells above it get a dark outline.
+    cell : int, default=18
+        Side of one cell in pixels.
+    layer_labels : sequence of str, default=None
+        Row labels (e.g. the site names); ``None``: ``L0``, ``L1``, ...
+
+    Returns
+    -------
+    svg : str
+        An ``<svg>`` element (no script, no external reference) with one ``<rect
+        class="head" data-layer=... data-head=... data-accuracy=...>`` per head,
+        each with a ``<title>`` tooltip; colours on the report's score scale
+        (0 pale, 1 dark red).
+
+    Examples
+    --------
+    >>> svg = locator_heads_svg([[0.1, 0.5], [0.9, 0.2]], chance=0.25)
+    >>> svg.startswith("<svg"), svg.count('class="head"'), "<script" in svg
+    (True, 4, False)
+    """
+    acc = _check_accuracy(accuracy)
+    n_layers, n_heads = acc.shape
+    cell = int(cell)
+    labels = ([f"L{k}" for k in range(n_layers)] if layer_labels is None
+              else [str(s) for s in layer_labels])
+    if len(labels) != n_layers:
+        raise ValueError(f"layer_labels has {len(labels)} names for {n_layers} layers.")
+    left = 8 + 7 * max(len(s) for s in labels)
+    top = 18
+    width = max(left + n_heads * cell + 8, 360)  # room for the caption
+    height = top + n_layers * cell + 34
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="locator-heatmap" '
+           f'width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" '
+           f'aria-label="locator accuracy per layer and head" font-family="sans-serif" '
+           f'font-size="10">']
+    for h in range(n_heads):
+        if n_heads <= 32 or h % 4 == 0:
+            out.append(f'<text x="{left + h * cell + cell / 2:.1f}" y="{top - 5}" '
+                       f'text-anchor="middle">{h}</text>')
+    for layer in range(n_layers):
+        y = top + layer * cell
+        out.append(f'<text x="{left - 4}" y="{y + cell / 2 + 3.5:.1f}" text-anchor="end">'
+                   f"{_esc(labels[layer])}</text>")
+        for h in range(n_heads):
+            a = acc[layer, h]
+            above = chance is not None and a > chance
+            stroke = ' stroke="#24292f" stroke-width="1.5"' if above else ' stroke="#ffffff"'
+            out.append(f'<rect class="head" data-layer="{layer}" data-head="{h}" '
+                       f'data-accuracy="{a:.6g}" x="{left + h * cell}" y="{y}" width="{cell}" '
+                       f'height="{cell}" fill="{score_colour(a)}"{stroke}><title>'
+                       f"{_esc(labels[layer])} head {h}: {a:.3f}</title></rect>")
+    best = np.unravel_index(int(np.argmax(acc)), acc.shape)
+    caption = (f"head → · best {_esc(labels[best[0]])} head {best[1]}: "
+               f"{acc[best]:.3f}")
+    if chance is not None:
+        caption += f" · chance {float(chance):.3f} (outlined: above it)"
+    out.append(f'<text x="{left}" y="{top + n_layers * cell + 14}">{caption}</text>')
+    out.append(f'<text x="{left}" y="{top + n_layers * cell + 28}">0 pale · 1 dark red</text>')
+    out.append("</svg>")
+    return "".join(out)
 
 
 def _pyplot():
@@ -451,6 +559,55 @@ def plot_turn_scores(attribution, path=None, *, dpi=120):
     ax.set_title(_plot_text(f"Per-turn scores {ident} (site {attribution.site})".strip()),
                  fontsize=10)
     ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, format="png")
+    return fig
+
+
+def plot_locator_heads(accuracy, path=None, *, chance=None, layer_labels=None, dpi=120):
+    """Per-head locator accuracy as a layer x head heatmap (PNG).
+
+    Parameters
+    ----------
+    accuracy : array-like of shape (n_layers, n_heads)
+        From :func:`skafa.metrics.locator_head_accuracy`.
+    path : str or path-like, default=None
+        Where to save the PNG; ``None`` only returns the figure.
+    chance : float, default=None
+        The chance level, named in the title; heads above it are dotted.
+    layer_labels : sequence of str, default=None
+        Row labels; ``None``: the layer index.
+    dpi : int, default=120
+
+    Returns
+    -------
+    figure : matplotlib.figure.Figure
+    """
+    acc = _check_accuracy(accuracy)
+    plt = _pyplot()
+    from matplotlib.colors import LinearSegmentedColormap
+
+    n_layers, n_heads = acc.shape
+    cmap = LinearSegmentedColormap.from_list(
+        "skafa_score", [tuple(c / 255 for c in _LOW), tuple(c / 255 for c in _HIGH)])
+    fig, ax = plt.subplots(figsize=(min(14, 2.8 + 0.3 * n_heads), min(14, 1.8 + 0.2 * n_layers)),
+                           dpi=dpi)
+    image = ax.imshow(acc, cmap=cmap, vmin=0, vmax=1, aspect="auto", interpolation="nearest")
+    if chance is not None:
+        rows, cols = np.nonzero(acc > chance)
+        ax.plot(cols, rows, linestyle="none", marker=".", color="#24292f", markersize=3)
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    if layer_labels is not None:
+        ax.set_yticks(np.arange(n_layers))
+        ax.set_yticklabels([_plot_text(s) for s in layer_labels], fontsize=7)
+    fig.colorbar(image, ax=ax, label="locator accuracy")
+    title = "Locator heads"
+    if chance is not None:
+        title += f" (chance {float(chance):.3f}; dots: above it)"
+    ax.set_title(title, fontsize=10)
     fig.tight_layout()
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

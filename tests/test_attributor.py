@@ -31,7 +31,6 @@ from skafa.testing import (
     make_conversations,
     make_tiny_llama,
     make_tiny_tokenizer,
-    write_who_and_when,
 )
 
 MODEL = "attributor-tiny"
@@ -305,66 +304,6 @@ def test_kfold_without_groups(conversations):
         _fa(sites=["resid_final"]).fit(no_ids)
 
 
-# -------------------------------------------------------------------- quickstart
-_write_who_and_when = write_who_and_when
-
-
-def _run_quickstart(data, n_resamples):
-    """examples/quickstart.py's main on the tiny model, memory cache only."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
-    spec = importlib.util.spec_from_file_location("skafa_example_quickstart", path)
-    quickstart = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(quickstart)
-    return quickstart.main(["--data", str(data), "--model", MODEL, "--cache-dir", "",
-                            "--sites", "stride:1", "--n-resamples", n_resamples])
-
-
-def test_quickstart_runs_on_tiny_model(tmp_path, capsys):
-
-    convs = make_conversations(30, seed=11)
-    # One conversation longer than the tiny model's 512-token context: it must be
-    # shortened visibly, and reported.
-    rng = np.random.default_rng(0)
-    words = ["alpha", "table", "query", "sum", "row", "data", "zeta", "kappa", "{", "]"]
-    long_text = " ".join(rng.choice(words, size=900))
-    turns = list(convs[0].turns)
-    turns[1] = dataclasses.replace(turns[1], content=long_text)
-    convs[0] = dataclasses.replace(convs[0], turns=tuple(turns))
-    data = _write_who_and_when(tmp_path / "wnw", convs)
-
-    out = _run_quickstart(data, "100")
-    text = capsys.readouterr().out
-
-    assert out["sites"] == ["resid_pre.0", "resid_pre.1", "resid_final"]
-    assert "1 of 30 exceed the 512-token context" in text
-    shortened = [r for r in out["plan"] if r["chars_removed"] > 0]
-    assert len(shortened) == 1 and shortened[0]["index"] == 0
-    assert f"shortened 1 conversations, removing {shortened[0]['chars_removed']:,}" in text
-    y = np.array([c.mistake_step for c in convs])
-    for name in ("probe (skafa)", "position-only", "TF-IDF", "always step 1",
-                 "most frequent step"):
-        assert name in text
-        steps = out["predictions"][name]
-        assert steps.shape == (30,)
-        assert out["table"][name]["step"].estimate == pytest.approx(np.mean(steps == y))
-        assert out["table"][name]["step"].n == 30
-    np.testing.assert_array_equal(out["predictions"]["always step 1"],
-                                  np.minimum(1, [len(c) - 1 for c in convs]))
-    # the probe is compared pairwise with the honest baselines on the same folds
-    for other in ("position-only", "TF-IDF", "always step 1"):
-        assert f"probe - {other}, step accuracy:" in text
-        d = out["paired_all"][other]
-        assert d.estimate == pytest.approx(np.mean(out["predictions"]["probe (skafa)"] == y)
-                                           - np.mean(out["predictions"][other] == y))
-    att = out["attribution"]
-    assert f"predicted: step {att.step}" in text and "true:" in text
-    assert out["attributor"].best_site_ in out["sites"]
-    assert "wall times:" in text and "extraction" in out["times"]
-
-
 # ------------------------------------------------------------------ integration
 @pytest.mark.integration
 def test_smollm2_on_who_and_when(who_and_when_dir, tmp_path):
@@ -398,24 +337,6 @@ def test_smollm2_on_who_and_when(who_and_when_dir, tmp_path):
     np.testing.assert_array_equal(loaded.predict(test), fa.predict(test))
     elapsed = time.perf_counter() - start
     print(f"\nSmolLM2 FailureAttributor on 20 records: {elapsed:.1f} s; {att!r}\n{report!r}")
-
-
-def test_quickstart_runs_a_configuration_with_position_features(tmp_path, capsys,
-                                                                 monkeypatch):
-    """The main job follows skafa.configurations.RECOMMENDED, whatever its features."""
-
-    import skafa.configurations
-
-    monkeypatch.setattr(skafa.configurations, "RECOMMENDED", "last: softmax/top3/acts+pos")
-    data = _write_who_and_when(tmp_path / "wnw", make_conversations(30, seed=12))
-    out = _run_quickstart(data, "50")
-    text = capsys.readouterr().out
-    assert "configuration: 'last: softmax/top3/acts+pos'" in text
-    select = out["attributor"].pipeline_.named_steps["select"]
-    assert len(select.best_sites_) == 3 and select.best_params_["C"] in (0.01, 0.1, 1.0)
-    assert any(n.startswith("pos__") for n in
-               out["attributor"].pipeline_.named_steps["acts"].get_feature_names_out())
-    assert out["predictions"]["probe (skafa)"].shape == (30,)
 
 
 def test_reports_name_every_averaged_site(conversations):

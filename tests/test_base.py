@@ -6,7 +6,14 @@ from sklearn.base import BaseEstimator
 from sklearn.exceptions import NotFittedError
 from sklearn.utils import get_tags
 
-from skafa import TurnFeatures
+from skafa import (
+    FailureAttributor,
+    GroupedArgmaxLogisticClassifier,
+    GroupedSoftmaxClassifier,
+    SiteSelector,
+    TurnFeatures,
+    TurnPositionTransformer,
+)
 from skafa.base import DecisiveStepMixin, TurnInputMixin
 from skafa.features import check_turn_features
 from skafa.utils import all_estimators
@@ -92,7 +99,7 @@ def test_available_if_hook(X):
 
 #: decisive-step estimators not yet moved onto the mixin (issue 28, remaining work);
 #: strict xfail: moving one makes its case XPASS, which fails until it leaves this set.
-_NOT_YET = {"PromptedJudge"}  # helper moves it
+_NOT_YET = set()
 
 
 @pytest.mark.parametrize(
@@ -112,3 +119,19 @@ def test_turn_input_mixin_only_sets_the_input_tag():
 
     assert get_tags(T()).input_tags.two_d_array is False
     assert get_tags(T()).target_tags.required is False
+
+
+@pytest.mark.parametrize("make", [
+    lambda d: SiteSelector(GroupedArgmaxLogisticClassifier(), param_grid=d),
+    lambda d: FailureAttributor(selector=SiteSelector(GroupedSoftmaxClassifier(),
+                                                      param_grid=d)),
+    lambda d: TurnPositionTransformer(include=d),
+], ids=["SiteSelector", "FailureAttributor", "TurnPositionTransformer"])
+def test_clone_refuses_a_reference_cycle_by_name(make):
+    """Issue 33: clone() of a parameter holding itself named it, not RecursionError."""
+    from sklearn.base import clone
+
+    d = {}
+    d["self"] = d
+    with pytest.raises(ValueError, match=r"\['self'\].*reference cycle"):
+        clone(make(d))

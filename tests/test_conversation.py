@@ -394,3 +394,95 @@ def test_hypothesis_records_round_trip(record):
     back = Conversation.from_dict(json.loads(json.dumps(conv.to_dict())))
     assert back == conv
     assert dict(back.metadata) == {"mistake_reason": record["mistake_reason"]}
+
+
+# ----------------------------------------------------- bad records and messages
+def _named_record(**changes):
+    record = {
+        "question": "What is 2 + 2?", "ground_truth": "4", "question_ID": "q1",
+        "history": [{"name": "a", "role": "assistant", "content": "x"},
+                    {"name": "b", "role": "assistant", "content": "y"}],
+        "mistake_step": "1", "mistake_agent": "b",
+    }
+    record.update(changes)
+    return {k: v for k, v in record.items() if v is not ...}
+
+
+@pytest.mark.parametrize("task_id", [..., None, "", 5.5, True])
+def test_record_without_question_id_is_refused(task_id):
+    with pytest.raises(ConversationError, match=r"rec-3.*question_ID"):
+        Conversation.from_who_and_when(_named_record(question_ID=task_id), record_id="rec-3")
+
+
+@pytest.mark.parametrize("step", ["1_0", "٣", "２", "+1", " 1 0", "0x1", "1.0", "-٣", "--1"])
+def test_mistake_step_must_be_ascii_digits(step):
+    history = [{"name": f"a{i}", "content": "x"} for i in range(12)]
+    with pytest.raises(ConversationError, match="mistake_step"):
+        Conversation.from_who_and_when(_named_record(history=history, mistake_step=step),
+                                       record_id="r")
+
+
+@pytest.mark.parametrize("step", ["1", " 1 ", 1, "01"])
+def test_mistake_step_ascii_digits_still_accepted(step):
+    assert Conversation.from_who_and_when(_named_record(mistake_step=step)).mistake_step == 1
+
+
+@pytest.mark.parametrize("name", [5, 1.5, ["a"], {"a": 1}, True])
+def test_from_messages_non_text_name_is_refused(name):
+    msgs = [{"name": "a", "role": "user", "content": "x"},
+            {"name": name, "role": "assistant", "content": "y"}]
+    with pytest.raises(ConversationError, match=r"rec.*message 1.*'name'"):
+        Conversation.from_messages(msgs, record_id="rec")
+
+
+def test_from_messages_missing_or_empty_name_falls_back_to_role():
+    msgs = [{"role": "user", "content": "x"}, {"name": "", "role": "bot", "content": "y"},
+            {"name": None, "role": "bot", "content": "z"}]
+    assert Conversation.from_messages(msgs).speakers == ("user", "bot", "bot")
+
+
+def test_from_who_and_when_non_text_name_is_refused():
+    history = [{"name": 7, "role": "assistant", "content": "x"}]
+    with pytest.raises(ConversationError, match=r"r9.*history\[0\].*'name'"):
+        Conversation.from_who_and_when(_named_record(history=history, mistake_step="0"),
+                                       record_id="r9")
+
+
+@pytest.mark.parametrize("data, message", [
+    ({}, "'turns'"),
+    ({"turns": [{"content": "x"}]}, r"turns\[0\].*'speaker'"),
+    ({"turns": [{"speaker": "a"}]}, r"turns\[0\].*'content'"),
+    ({"turns": ["a"]}, r"turns\[0\]"),
+    ({"turns": "ab"}, "'turns'"),
+    ([1, 2], "mapping"),
+])
+def test_from_dict_missing_key_is_a_conversation_error(data, message):
+    with pytest.raises(ConversationError, match=message):
+        Conversation.from_dict(data)
+
+
+def test_from_dict_names_the_record():
+    with pytest.raises(ConversationError, match=r"record 'r1'.*turns\[1\].*'speaker'"):
+        Conversation.from_dict({"record_id": "r1", "turns": [
+            {"speaker": "a", "content": "x"}, {"content": "y"}]})
+
+
+@pytest.mark.parametrize("field", ["content", "speaker", "task", "expected_answer"])
+def test_lone_surrogate_is_refused_naming_the_turn(field):
+    turns = [Turn("a", "fine"), Turn("b", "also fine")]
+    kwargs = {}
+    bad = "broken \ud800 text"
+    if field in ("content", "speaker"):
+        turns[1] = Turn(bad if field == "speaker" else "b", bad if field == "content" else "y")
+        match = rf"rec-s.*turn 1.*{field}.*surrogate"
+    else:
+        kwargs[field] = bad
+        match = rf"rec-s.*{field}.*surrogate"
+    with pytest.raises(ConversationError, match=match):
+        Conversation(turns, record_id="rec-s", **kwargs)
+
+
+def test_lone_surrogate_from_json_record_names_record_and_turn():
+    record = json.loads(json.dumps(_named_record()).replace('"y"', '"\\udc80"'))
+    with pytest.raises(ConversationError, match=r"rec-j.*turn 1"):
+        Conversation.from_who_and_when(record, record_id="rec-j")

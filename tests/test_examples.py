@@ -1,4 +1,5 @@
-"""Run the documented example scripts on the tiny random model, so they cannot rot."""
+"""Run the documented example scripts on the tiny random model, so they cannot rot;
+the docstring examples of the package run as doctests with the tests."""
 
 import importlib.util
 from pathlib import Path
@@ -195,3 +196,31 @@ def test_benchmark_dtype_on_tiny_model(tmp_path, capsys):
     assert "| bfloat16 |" in report and report in capsys.readouterr().out
     assert "s per 1,000 tokens" in report and "| resid_final |" in report
     assert all(res["info"][d]["load_hwm"] > 0 for d in res["info"])
+
+
+# ----------------------------------------------------------- docstring examples
+def test_package_doctests_run_with_the_tests(pytestconfig):
+    assert "--doctest-modules" in pytestconfig.getini("addopts")
+    assert "skafa" in pytestconfig.getini("testpaths")
+
+
+def test_no_doctest_needs_the_real_model():
+    # Examples that would load SmolLM2 (or any named real model) are skipped; the
+    # rest run offline on skafa.testing's tiny models.
+    import doctest
+    import importlib
+    import pkgutil
+
+    import skafa
+
+    finder = doctest.DocTestFinder()
+    n_run = 0
+    for info in pkgutil.walk_packages(skafa.__path__, prefix="skafa."):
+        module = importlib.import_module(info.name)
+        for test in finder.find(module, module=module):
+            for example in test.examples:
+                if '"smollm2"' in example.source or "'smollm2'" in example.source:
+                    assert example.options.get(doctest.SKIP), (test.name, example.source)
+                elif not example.options.get(doctest.SKIP):
+                    n_run += 1
+    assert n_run > 50

@@ -1,18 +1,34 @@
 """Tests for skafa.features.TurnFeatures, the ragged per-turn container."""
 
+import atexit
+import json
+import os
 import pickle
+import shutil
+import tempfile
 import time
+import tracemalloc
 
 import joblib
 import numpy as np
 import pytest
 import scipy.sparse as sp
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sklearn.model_selection import GroupKFold, KFold, train_test_split
 from sklearn.utils import _safe_indexing, check_consistent_length, indexable
 
+from skafa import (
+    DummyStepClassifier,
+    GroupedArgmaxClassifier,
+    GroupedArgmaxLogisticClassifier,
+    PerTurn,
+    SiteConcatenator,
+    SiteSelector,
+)
 from skafa.features import TurnFeatures
+from skafa.utils.estimator_checks import make_turn_features
+from skafa.utils.fileio import DIGEST_KEY, read_safetensors, write_safetensors
 
 SIZES = [3, 1, 4, 2, 5]
 
@@ -475,3 +491,455 @@ def test_hypothesis_indexing_matches_per_conversation_reference(data):
     # sklearn's indexing agrees with ours.
     Z = _safe_indexing(X, np.array(idx))
     assert Z.equals(Y)
+
+
+# ----------------------------- saved files: tampered structure, digest, nesting
+_SMALL_SIZES = [3, 1, 4, 2]  # the tests below rely on these sizes
+
+
+def _dense(**kwargs):
+    rng = np.random.default_rng(0)
+    off = _offsets(_SMALL_SIZES)
+    kwargs.setdefault("sites", ["resid_pre.0", "resid_pre.1"])
+    kwargs.setdefault("speakers", [f"agent{i}" for i in range(off[-1])])
+    kwargs.setdefault("task_ids", ["t0", "t1", "t2", "t0"])
+    return TurnFeatures(rng.normal(size=(off[-1], 2, 3)), off, **kwargs)
+
+
+def _sparse():
+    off = _offsets(_SMALL_SIZES)
+    values = sp.random(off[-1], 6, density=0.4, format="csr", random_state=0,
+                       dtype=np.float32)
+    return TurnFeatures(values, off, feature_names=[f"f{i}" for i in range(6)],
+                        speakers=[f"s{i}" for i in range(off[-1])],
+                        task_ids=["a", None, "b", "a"])
+
+
+def _rewrite(path, edit):
+    """Apply ``edit(tensors, metadata)`` and write the file back *with a fresh digest*.
+
+    A digest is no signature: whoever edits a file can recompute it, so structure
+    checks must catch what the digest cannot.
+    """
+    tensors, meta = read_safetensors(path)
+    tensors = {k: np.array(v) for k, v in tensors.items()}
+    meta = {k: v for k, v in meta.items() if k != DIGEST_KEY}
+    edit(tensors, meta)
+    write_safetensors(path, tensors, meta)
+
+
+def test_tampered_sparse_index_out_of_range_is_refused(tmp_path):
+    path = tmp_path / "x.safetensors"
+    _sparse().save(path)
+
+    def edit(t, m):
+        t["sparse_indices"][0] = 10**9  # on the old code .toarray() segfaulted
+
+    _rewrite(path, edit)
+    with pytest.raises(ValueError, match=r"x\.safetensors.*column index"):
+        TurnFeatures.load(path)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t, m: t["sparse_indices"].__setitem__(0, -1), "column index"),
+    (lambda t, m: t["sparse_indptr"].__setitem__(2, 10**6), "indptr"),
+    (lambda t, m: t.__setitem__("sparse_indptr", t["sparse_indptr"][::-1].copy()), "indptr"),
+    (lambda t, m: t.__setitem__("sparse_indptr", t["sparse_indptr"][:-1].copy()), "indptr"),
+    (lambda t, m: t.__setitem__("sparse_indices", t["sparse_indices"][:-1].copy()),
+     "sparse_indices"),
+    (lambda t, m: t.__setitem__("sparse_indices", t["sparse_indices"].astype(np.float64)),
+     "dtype"),
+    (lambda t, m: m.__setitem__("shape", "[11, 6]"), "indptr"),
+    (lambda t, m: m.__setitem__("shape", "[10, 6, 1]"), "shape"),
+    (lambda t, m: m.__setitem__("shape", "[10, 1000000000000000]"), "MAX_SPARSE_COLUMNS"),
+    (lambda t, m: m.__setitem__("shape", "[10, -6]"), "shape"),
+    (lambda t, m: m.__setitem__("shape", '"10"'), "shape"),
+    (lambda t, m: t.__setitem__("offsets", np.array([0, 3, 2, 8, 10])), "offsets"),
+    (lambda t, m: t.__setitem__("offsets", np.array([0.0, 3, 4, 8, 10])), "offsets"),
+    (lambda t, m: m.__setitem__("speakers", json.dumps(["a"] * 9)), "speakers"),
+    (lambda t, m: m.__setitem__("speakers", json.dumps([1] * 10)), "speakers"),
+    (lambda t, m: m.__setitem__("task_ids", json.dumps(["a", "b"])), "task_ids"),
+    (lambda t, m: m.__setitem__("task_ids", json.dumps([1.5, 2, 3, 4])), "task_ids"),
+    (lambda t, m: m.__setitem__("feature_names", json.dumps(["f"] * 5)), "feature"),
+    (lambda t, m: m.__setitem__("sites", json.dumps(["a", "b"])), "site"),
+    (lambda t, m: m.__setitem__("sites", json.dumps([3])), "site"),
+    (lambda t, m: m.__setitem__("sparse", "1"), "sparse"),
+    (lambda t, m: t.__setitem__("extra", np.zeros(3)), "tensor"),
+    (lambda t, m: m.pop("speakers"), "speakers"),
+], ids=[
+    'negative-index', 'indptr-past-end', 'indptr-decreasing', 'indptr-short',
+    'indices-short', 'indices-float', 'shape-more-rows', 'shape-3d', 'shape-huge-columns',
+    'shape-negative',
+    'shape-not-list', 'offsets-decreasing', 'offsets-float', 'speakers-length',
+    'speakers-int', 'task-ids-length', 'task-ids-float', 'feature-names-length',
+    'sites-length', 'sites-int', 'sparse-not-bool', 'extra-tensor', 'speakers-missing',
+])
+def test_tampered_sparse_structure_is_refused(tmp_path, edit, message):
+    path = tmp_path / "x.safetensors"
+    _sparse().save(path)
+    _rewrite(path, edit)
+    with pytest.raises(ValueError, match=message):
+        TurnFeatures.load(path)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t, m: t.__setitem__("values", t["values"][:, :, :2].copy()), "shape"),
+    (lambda t, m: t.__setitem__("values", t["values"][:, 0].copy()), "shape"),
+    (lambda t, m: t.__setitem__("offsets", t["offsets"].astype(np.float32)), "offsets"),
+    (lambda t, m: t.__setitem__("offsets", t["offsets"][None]), "offsets"),
+    (lambda t, m: t.pop("values"), "values"),
+], ids=[
+    'values-fewer-features', 'values-2d', 'offsets-float', 'offsets-2d',
+    'values-missing',
+])
+def test_tampered_dense_structure_is_refused(tmp_path, edit, message):
+    path = tmp_path / "x.safetensors"
+    _dense().save(path)
+    try:
+        _rewrite(path, edit)
+    except (TypeError, ValueError, KeyError):  # safetensors cannot even store it
+        pytest.skip("edit not representable in safetensors")
+    with pytest.raises(ValueError, match=message):
+        TurnFeatures.load(path)
+
+
+def test_constructor_refuses_broken_sparse_matrix():
+    m = sp.csr_matrix(np.eye(3))
+    m.indices[0] = 7  # would crash the process in toarray()
+    with pytest.raises(ValueError, match="column index"):
+        TurnFeatures(m, [0, 3])
+
+
+def _flip(path, where):
+    raw = bytearray(path.read_bytes())
+    raw[where] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("make", [_dense, _sparse])
+def test_flipped_byte_in_values_or_offsets_is_detected(tmp_path, make):
+    X = make()
+    path = tmp_path / "x.safetensors"
+    X.save(path)
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    regions = {k: v["data_offsets"] for k, v in header.items() if k != "__metadata__"}
+    assert "offsets" in regions
+    for name, (start, end) in regions.items():  # one flipped byte in every tensor
+        for where in (start, end - 1):
+            X.save(path)
+            _flip(path, 8 + n + where)
+            with pytest.raises(ValueError, match="digest"):
+                TurnFeatures.load(path)
+
+
+def test_reordered_speakers_in_header_are_detected(tmp_path):
+    X = _dense()
+    path = tmp_path / "x.safetensors"
+    X.save(path)
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    speakers = json.loads(header["__metadata__"]["speakers"])
+    speakers[0], speakers[1] = speakers[1], speakers[0]  # same length: offsets unchanged
+    header["__metadata__"]["speakers"] = json.dumps(speakers)
+    new = json.dumps(header, separators=(",", ":")).encode()
+    new += b" " * (n - len(new))
+    assert len(new) == n
+    path.write_bytes(raw[:8] + new + raw[8 + n:])
+    with pytest.raises(ValueError, match="digest"):
+        TurnFeatures.load(path)
+
+
+def test_file_without_digest_needs_verify_false(tmp_path):
+    from safetensors.numpy import save_file
+
+    X = _dense()
+    tensors, meta = X._tensors_and_metadata()
+    path = tmp_path / "old.safetensors"
+    save_file(tensors, str(path), metadata=meta)  # how skafa wrote files before digests
+    with pytest.raises(ValueError, match="verify=False"):
+        TurnFeatures.load(path)
+    assert TurnFeatures.load(path, verify=False).equals(X)
+    # verify=False still checks the structure
+    bad = dict(meta, speakers=json.dumps(["a"]))
+    save_file(tensors, str(path), metadata=bad)
+    with pytest.raises(ValueError, match="speakers"):
+        TurnFeatures.load(path, verify=False)
+
+
+def test_deeply_nested_turnfeatures_header_is_a_value_error(tmp_path):
+    path = tmp_path / "x.safetensors"
+    _dense().save(path)
+    deep = "[" * 100_000 + "]" * 100_000
+    _rewrite(path, lambda t, m: m.__setitem__("sites", deep))
+    with pytest.raises(ValueError, match="nested"):
+        TurnFeatures.load(path)
+
+
+def test_sparse_file_cannot_claim_more_columns_than_it_holds(tmp_path):
+    import scipy.sparse as sp
+
+    from skafa import TurnFeatures
+
+    m = sp.csr_matrix((np.ones(3), [0, 1, 2], [0, 1, 2, 3]), shape=(3, 2**26))
+    path = tmp_path / "x.safetensors"
+    TurnFeatures(m, [0, 3], sites=["s"]).save(path)
+    assert path.stat().st_size < 2000
+    with pytest.raises(ValueError, match="67,108,864 columns.*justify at most"):
+        TurnFeatures.load(path)
+    small = sp.csr_matrix((np.ones(3), [0, 1, 2], [0, 1, 2, 3]), shape=(3, 2**20))
+    TurnFeatures(small, [0, 3], sites=["s"]).save(path)
+    assert TurnFeatures.load(path).values.shape == (3, 2**20)
+
+
+# ---------------------------------------------------- fuzzing TurnFeatures.load
+# Random byte flips and truncations of a valid file must either load identical data or
+# raise a clear ``ValueError``, never crash the process and never allocate far more
+# than the file size (``tracemalloc`` peak). A second family edits a file and
+# *recomputes* the digest, as an attacker could: the structure checks alone must then
+# refuse the file or give a container that is safe to use.
+FUZZ = settings(max_examples=60, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow])
+
+
+#: Allocation bound of one read: a multiple of the file size plus a constant for
+#: Python objects (the decoded header, small arrays). Measured traced peaks: about
+#: 6x for these 1.2-1.7 KB files (the constant dominates), 2.0x for a 1.3 MB dense
+#: and 2.1x for a 5.2 MB sparse file (the file's bytes, then the arrays).
+PEAK_FACTOR, PEAK_SLACK = 8, 256 * 1024
+
+
+_FUZZ_SIZES = [3, 1, 4, 2, 5, 1]
+
+
+def _features():
+    rng = np.random.default_rng(0)
+    off = _offsets(_FUZZ_SIZES)
+    n = int(off[-1])
+    common = dict(speakers=[f"agent{i % 3}" for i in range(n)],
+                  task_ids=["t0", None, "t1", "t0", "t2", "t3"])
+    dense3 = TurnFeatures(rng.normal(size=(n, 2, 4)).astype(np.float32), off,
+                          sites=["resid_pre.0", "resid_final"],
+                          feature_names=[f"f{i}" for i in range(4)], **common)
+    dense2 = TurnFeatures(rng.normal(size=(n, 5)), off, **common)
+    sparse = TurnFeatures(sp.random(n, 7, density=0.4, format="csr", random_state=1,
+                                    dtype=np.float64), off,
+                          feature_names=[f"w{i}" for i in range(7)], **common)
+    return {"dense3": dense3, "dense2": dense2, "sparse": sparse}
+
+
+FEATURES = _features()
+_TMP = tempfile.mkdtemp(prefix="skafa-fuzz-")
+atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
+BLOBS = {}
+for _name, _X in FEATURES.items():
+    _path = os.path.join(_TMP, f"{_name}.safetensors")
+    _X.save(_path)
+    with open(_path, "rb") as _f:
+        BLOBS[_name] = _f.read()
+    TurnFeatures.load(_path)  # warm up imports before measuring allocations
+
+
+
+def _write(data, name="case.safetensors"):
+    path = os.path.join(_TMP, name)
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
+
+
+def _measured(fn):
+    """Run ``fn()``; return (result or exception, peak bytes traced)."""
+    tracemalloc.start()
+    try:
+        try:
+            out = fn()
+        except Exception as exc:  # noqa: BLE001 - classified by the caller
+            out = exc
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return out, peak
+
+
+def _check_usable(X):
+    """A loaded container must be safe to use: touch every value."""
+    assert isinstance(X, TurnFeatures)
+    for site in X.sites:
+        M = X.turn_matrix(site)
+        dense = M.toarray() if sp.issparse(M) else np.asarray(M)
+        assert dense.shape == (X.n_turns_total, X.n_features)
+    assert X.n_turns.sum() == X.n_turns_total
+    if X.speakers is not None:
+        assert X.speakers.shape == (X.n_turns_total,)
+    if X.task_ids is not None:
+        assert X.task_ids.shape == (X.n_conversations,)
+
+
+def _position(blob, data, label):
+    """A byte position, in the header or in the tensor data with equal odds.
+
+    (hypothesis favours small integers, which would almost always hit the header.)
+    """
+    n = 8 + int.from_bytes(blob[:8], "little")
+    if data.draw(st.booleans(), label=f"{label} in data"):
+        return n + data.draw(st.integers(0, len(blob) - n - 1), label=label)
+    return data.draw(st.integers(0, n - 1), label=label)
+
+
+def _mutate(blob, data):
+    """Flip 1-4 random bytes, or truncate, as chosen by hypothesis."""
+    raw = bytearray(blob)
+    if data.draw(st.booleans(), label="truncate"):
+        return bytes(raw[:_position(blob, data, "cut")])
+    for _ in range(data.draw(st.integers(1, 4), label="n_flips")):
+        raw[_position(blob, data, "at")] ^= data.draw(st.integers(1, 255), label="mask")
+    return bytes(raw)
+
+
+@pytest.mark.parametrize("kind", sorted(BLOBS))
+@FUZZ
+@given(data=st.data())
+def test_turnfeatures_flips_and_truncations(kind, data):
+    blob = _mutate(BLOBS[kind], data)
+    path = _write(blob)
+    out, peak = _measured(lambda: TurnFeatures.load(path))
+    if isinstance(out, Exception):
+        assert isinstance(out, ValueError), f"{type(out).__name__}: {out}"
+        assert "case.safetensors" in str(out)
+    else:  # only a no-op edit can load, and then it is the same data
+        assert out.equals(FEATURES[kind])
+    assert peak <= PEAK_FACTOR * len(BLOBS[kind]) + PEAK_SLACK, peak
+
+
+def _resigned_edit(kind, data):
+    """Edit tensor bytes or a header field, then recompute the digest."""
+    tensors, meta = read_safetensors(_write(BLOBS[kind], "orig.safetensors"))
+    tensors = {k: np.array(v) for k, v in tensors.items()}
+    meta = {k: v for k, v in meta.items() if k != DIGEST_KEY}
+    if data.draw(st.booleans(), label="edit tensor"):
+        name = data.draw(st.sampled_from(sorted(tensors)), label="tensor")
+        raw = bytearray(tensors[name].tobytes())
+        for _ in range(data.draw(st.integers(1, 3), label="n_flips")):
+            i = data.draw(st.integers(0, len(raw) - 1), label="at")
+            raw[i] ^= data.draw(st.integers(1, 255), label="mask")
+        arr = tensors[name]
+        tensors[name] = np.frombuffer(bytes(raw), dtype=arr.dtype).reshape(arr.shape).copy()
+    else:
+        key = data.draw(st.sampled_from(sorted(meta)), label="field")
+        text = meta[key]
+        choice = data.draw(st.sampled_from(["flip", "json"]), label="how")
+        if choice == "flip" and text:
+            chars = list(text)
+            i = data.draw(st.integers(0, len(chars) - 1), label="at")
+            chars[i] = data.draw(st.characters(codec="utf-8"), label="char")
+            meta[key] = "".join(chars)
+        else:
+            value = data.draw(st.recursive(
+                st.none() | st.booleans() | st.integers(-3, 20) | st.text(max_size=4),
+                lambda inner: st.lists(inner, max_size=12), max_leaves=30), label="json")
+            meta[key] = json.dumps(value)
+    path = os.path.join(_TMP, "case.safetensors")
+    write_safetensors(path, tensors, meta)
+    return path
+
+
+@pytest.mark.parametrize("kind", sorted(BLOBS))
+@FUZZ
+@given(data=st.data())
+def test_turnfeatures_resigned_edits_never_crash(kind, data):
+    path = _resigned_edit(kind, data)
+    size = os.path.getsize(path)
+    out, peak = _measured(lambda: TurnFeatures.load(path))
+    if isinstance(out, Exception):
+        assert isinstance(out, ValueError), f"{type(out).__name__}: {out}"
+    else:
+        _check_usable(out)
+    assert peak <= PEAK_FACTOR * size + PEAK_SLACK, peak
+
+
+def test_measured_peak_is_a_real_bound():
+    """The bound is not vacuous: reading a file allocates about its size."""
+    big = TurnFeatures(np.zeros((20_000, 16), np.float32), [0, 10_000, 20_000])
+    path = os.path.join(_TMP, "big.safetensors")
+    big.save(path)
+    size = os.path.getsize(path)
+    out, peak = _measured(lambda: TurnFeatures.load(path))
+    assert out.equals(big)
+    assert size <= peak <= 4 * size + PEAK_SLACK, (size, peak)
+
+
+# --------------------------------------------------------------- API edge cases
+def test_equals_with_nan():
+    X = _dense()
+    X.values[0, 0, 0] = np.nan
+    assert X.equals(X[np.arange(len(X))])
+    Y = X.astype(X.dtype)  # a copy
+    assert X.equals(Y)
+    Y.values[0, 0, 1] = np.nan
+    assert not X.equals(Y)
+    S = _sparse()
+    S.values.data[0] = np.nan
+    assert S.equals(S[np.arange(len(S))])
+
+
+@pytest.mark.parametrize("what", ["speakers", "task_ids"])
+def test_concatenate_with_conflicting_speakers_or_task_ids(what):
+    a = _dense()
+    other = list(getattr(a, what))
+    i = 5 if what == "speakers" else 2  # turn 5 is in conversation 2 (sizes 3, 1, 4, 2)
+    other[i] = "someone else"
+    b = _dense(**{what: other})
+    with pytest.raises(ValueError, match=rf"{what}.*conversation 2"):
+        TurnFeatures.concatenate([a, b])
+    # a part without speakers/task ids takes them from the others
+    c = _dense(**{what: None})
+    assert getattr(TurnFeatures.concatenate([c, a]), what).tolist() == list(getattr(a, what))
+
+
+@pytest.mark.parametrize("steps", [[1.7, 0, 0, 0], [True, False, True, False],
+                                   ["1", 0, 0, 0]])
+def test_non_integer_steps_are_refused(steps):
+    X = _dense()
+    with pytest.raises(ValueError, match=r"steps\[0\]|integer"):
+        X.global_turn_index(steps)
+    with pytest.raises(ValueError, match=r"steps\[0\]|integer"):
+        X.speakers_at(steps)
+
+
+def test_global_turn_index_accepts_integral_floats():
+    X = _dense()
+    assert X.global_turn_index([1.0, 0, 2, 1]).tolist() == [1, 3, 6, 9]
+
+
+@pytest.mark.parametrize("site", [True, False, np.bool_(True), [True]])
+def test_select_sites_refuses_booleans(site):
+    with pytest.raises(TypeError, match="bool"):
+        _dense().select_sites(site)
+
+
+# ----------------------------- empty input, named as such (check_turn_features)
+@pytest.mark.parametrize("est", [
+    GroupedArgmaxLogisticClassifier(), GroupedArgmaxClassifier(), DummyStepClassifier(),
+    SiteSelector(GroupedArgmaxLogisticClassifier()), PerTurn(__import__(
+        "sklearn.preprocessing", fromlist=["StandardScaler"]).StandardScaler()),
+    SiteConcatenator("features"),
+], ids=lambda e: type(e).__name__)
+def test_empty_turn_features_are_named_as_such(est):
+    empty = TurnFeatures(np.empty((0, 3)), [0])  # builds: a valid, empty container
+    assert len(empty) == 0
+    with pytest.raises(ValueError, match="TurnFeatures with 0 conversations") as info:
+        est.fit(empty, np.empty(0, dtype=np.int64))
+    assert "single turn" not in str(info.value)
+
+
+def test_empty_turn_features_at_prediction():
+    X, y = make_turn_features(8)
+    probe = GroupedArgmaxLogisticClassifier().fit(X, y)
+    dummy = DummyStepClassifier().fit(X, y)
+    empty = TurnFeatures(np.empty((0, X.n_features)), [0])
+    for est in (probe, dummy):
+        with pytest.raises(ValueError, match="0 conversations"):
+            est.predict(empty)

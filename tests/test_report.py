@@ -422,3 +422,55 @@ def test_strip_jumps_to_a_turn_in_headless_chromium(attribution, tmp_path):
         assert got["top"] < got["height"], got
         assert got["top"] >= got["stripBottom"] - 1 or got["scrollY"] == 0, got
     assert out["clicked"]["scrollY"] != out["loaded"]["scrollY"]
+
+
+# ----------------------------------------------------------------- locator heads
+def test_locator_heads_section_is_optional_inline_svg(attribution, tmp_path):
+    from skafa.report import locator_heads_svg, plot_locator_heads, save_html
+
+    acc = np.array([[0.1, 0.6, 0.2], [0.9, 0.0, 0.3]])
+    page = attribution_html(attribution)
+    assert 'id="locator-heads"' not in page
+    page = attribution_html(attribution, locator_heads=(acc, 0.25))
+    parser = _Tags()
+    parser.feed(page)
+    assert "script" not in parser.tags and 'id="locator-heads"' in page
+    assert not [a for a in parser.attrs if a[1].startswith("on")]
+    cells = re.findall(r'<rect class="head" data-layer="(\d+)" data-head="(\d+)" '
+                       r'data-accuracy="([0-9.e-]+)"', page)
+    assert [(int(a), int(b)) for a, b, _ in cells] == [(a, b) for a in range(2) for b in range(3)]
+    np.testing.assert_allclose([float(v) for *_, v in cells], acc.ravel())
+    assert "best L1 head 0: 0.900" in page and "chance 0.250" in page
+    svg = locator_heads_svg(acc, layer_labels=["head_attn.0", "<b>"])
+    assert "&lt;b&gt;" in svg and "<b>" not in svg
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        locator_heads_svg([[1.5]])
+    with pytest.raises(ValueError, match="n_layers, n_heads"):
+        locator_heads_svg([0.1, 0.2])
+    path = save_html(attribution, tmp_path / "r.html", locator_heads=acc)
+    assert 'id="locator-heads"' in path.read_text(encoding="utf-8")
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    fig = plot_locator_heads(acc, tmp_path / "heads.png", chance=0.25)
+    assert (tmp_path / "heads.png").read_bytes()[:8] == PNG_MAGIC
+    plt.close(fig)
+
+
+# -------------------------------------------------------------------- plot text
+def test_dollar_in_speaker_names_plots():
+    pytest.importorskip("matplotlib")
+    from skafa.report import _plot_text
+
+    assert _plot_text("a$b$c") == r"a\$b\$c"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import io
+
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.set_title(_plot_text("$\\frac$ cost $5"))
+    fig.savefig(io.BytesIO(), format="png")  # raises on unbalanced mathtext
+    plt.close(fig)

@@ -1,4 +1,5 @@
-"""Baselines a probe must beat: a dummy step classifier and a prompted LLM judge.
+"""Baselines a probe must beat: a dummy step classifier, a prompted LLM judge and the
+grafted judge (the prompted judge with locator heads routed into writer heads).
 """
 
 # Authors: The skafa developers
@@ -7,11 +8,17 @@
 from ._dummy import (
     DummyStepClassifier,
 )
+from ._grafted import (
+    GraftedJudge,
+    head_direct_effects,
+)
 from ._judge import (
     PromptedJudge,
 )
 
 __all__ = [
     "DummyStepClassifier",
+    "GraftedJudge",
     "PromptedJudge",
+    "head_direct_effects",
 ]

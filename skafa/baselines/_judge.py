@@ -25,7 +25,6 @@ Two modes:
 
 from __future__ import annotations
 
-import inspect
 import numbers
 import os
 import re
@@ -33,15 +32,17 @@ import time
 
 import numpy as np
 from sklearn.base import BaseEstimator
-from sklearn.utils import Bunch
+from sklearn.utils import Bunch, metadata_routing
 from sklearn.utils.validation import check_is_fitted
 
+from ..base import DecisiveStepMixin
 from ..conversation import check_conversations
 from ..llm import (
     ModelHandle,
     PromptTemplate,
     banded_sliding_window_attention,
     has_sliding_window,
+    kv_cache_argument,
     verify_saved_model,
 )
 from ..persistence import PersistenceMixin
@@ -61,10 +62,10 @@ _ASCII_DIGITS = frozenset("0123456789")
 
 
 # ----------------------------------------------------------------------------- helpers
-def _check_steps(y, convs):
+def _check_steps(y, convs, caller="PromptedJudge"):
     """Validate step labels against the conversations; None -> their mistake_step."""
     if y is None:
-        return labels_from_conversations(convs, "PromptedJudge")
+        return labels_from_conversations(convs, caller)
     return check_steps(y, convs)
 
 
@@ -146,12 +147,6 @@ def number_continuation_mask(tokenizer, vocab_size):
     return mask
 
 
-def _cache_kwarg(model):
-    """Name of the forward argument that takes a KV cache (transformers 4.x vs 5.x)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def _output_cache(out):
     cache = getattr(out, "cache", None)
     return cache if cache is not None else getattr(out, "past_key_values", None)
@@ -212,8 +207,15 @@ def _end_of_number_logp(logits, number_mask):
     return torch.logsumexp(logits[..., ends], dim=-1) - torch.logsumexp(logits, -1)
 
 
+def _in_context(prefix_context, rows, width):
+    """The context ``prefix_context(rows, width)`` or, without one, a no-op."""
+    import contextlib
+
+    return contextlib.nullcontext() if prefix_context is None else prefix_context(rows, width)
+
+
 def _score_candidates_one_by_one(model, prefixes, continuations, number_mask, pad_id,
-                                 device):
+                                 device, prefix_context=None):
     """:func:`score_candidates` for sliding-window models: one prefix, one candidate
     at a time, each candidate continuing its own copy of the prefix's cache."""
     import copy
@@ -221,8 +223,9 @@ def _score_candidates_one_by_one(model, prefixes, continuations, number_mask, pa
     import torch
 
     scores = []
-    for prefix, conts in zip(prefixes, continuations):
-        first_logits, cache, _, lengths = _prefix_forward(model, [prefix], pad_id, device)
+    for b, (prefix, conts) in enumerate(zip(prefixes, continuations)):
+        with _in_context(prefix_context, [b], len(prefix)):
+            first_logits, cache, _, lengths = _prefix_forward(model, [prefix], pad_id, device)
         first_logp = torch.log_softmax(first_logits[0], dim=-1)
         row = np.empty(len(conts), dtype=np.float64)
         for c, toks in enumerate(conts):
@@ -233,7 +236,7 @@ def _score_candidates_one_by_one(model, prefixes, continuations, number_mask, pa
                     position_ids=(lengths[0] + torch.arange(m, device=device))[None],
                     use_cache=True,
                     logits_to_keep=0,
-                    **{_cache_kwarg(model): copy.deepcopy(cache)},
+                    **{kv_cache_argument(model): copy.deepcopy(cache)},
                 )
             logits = out.logits[0].float()
             row[c] = _candidate_logprob(first_logp, torch.log_softmax(logits, dim=-1),
@@ -242,7 +245,8 @@ def _score_candidates_one_by_one(model, prefixes, continuations, number_mask, pa
     return scores
 
 
-def score_candidates(model, prefixes, continuations, number_mask, *, pad_id=0):
+def score_candidates(model, prefixes, continuations, number_mask, *, pad_id=0,
+                     prefix_context=None):
     """Log-probability of every candidate continuation, reusing the prefix KV cache.
 
     For each sequence ``b`` in the batch, runs one forward pass over
@@ -273,6 +277,12 @@ def score_candidates(model, prefixes, continuations, number_mask, *, pad_id=0):
         :func:`number_continuation_mask` of the tokenizer.
     pad_id : int, default=0
         Token id used for padding (never attended to).
+    prefix_context : callable or None, default=None
+        ``prefix_context(rows, width)`` returns a context manager entered around
+        each forward pass over prefixes only (never the candidates' pass):
+        ``rows`` are the indices into ``prefixes`` of that pass and ``width`` its
+        (left-padded) length, so the last token of every prefix sits at
+        ``width - 1``. :class:`~skafa.baselines.GraftedJudge` intervenes there.
 
     Returns
     -------
@@ -285,8 +295,10 @@ def score_candidates(model, prefixes, continuations, number_mask, *, pad_id=0):
     if has_sliding_window(model):
         with banded_sliding_window_attention(model):
             return _score_candidates_one_by_one(model, prefixes, continuations, number_mask,
-                                                pad_id, device)
-    first_logits, cache, mask2d, lengths = _prefix_forward(model, prefixes, pad_id, device)
+                                                pad_id, device, prefix_context)
+    with _in_context(prefix_context, list(range(len(prefixes))),
+                     max(len(p) for p in prefixes)):
+        first_logits, cache, mask2d, lengths = _prefix_forward(model, prefixes, pad_id, device)
     B, L = mask2d.shape
     first_logp = torch.log_softmax(first_logits, dim=-1)
 
@@ -324,7 +336,7 @@ def score_candidates(model, prefixes, continuations, number_mask, *, pad_id=0):
             position_ids=positions.to(device),
             use_cache=True,
             logits_to_keep=0,
-            **{_cache_kwarg(model): cache},
+            **{kv_cache_argument(model): cache},
         )
     logits = out.logits.float()
     logp = torch.log_softmax(logits, dim=-1)
@@ -389,7 +401,7 @@ def greedy_generate(model, prefixes, max_new_tokens, *, pad_id=0, eos_ids=()):
                 position_ids=pos[:, None].to(device),
                 use_cache=True,
                 logits_to_keep=1,
-                **{_cache_kwarg(model): cache},
+                **{kv_cache_argument(model): cache},
             )
         logits, cache = out.logits[:, -1, :].float(), _output_cache(out)
         pos = pos + 1
@@ -423,7 +435,214 @@ def parse_step(text, n_steps):
 
 
 # ----------------------------------------------------------------------------- estimator
-class PromptedJudge(PersistenceMixin, BaseEstimator):
+class _ConversationRows:
+    """Per-turn rows of a list of conversations, for :class:`~skafa.base.DecisiveStepMixin`.
+
+    The mixin reads ``offsets`` and ``split_rows`` off the validated input; a
+    judge's input is conversations, whose turns are its rows.
+    """
+
+    def __init__(self, convs):
+        self.offsets = np.concatenate(
+            [[0], np.cumsum([len(c) for c in convs])]).astype(np.int64)
+
+    def split_rows(self, rows):
+        return np.split(np.asarray(rows), self.offsets[1:-1])
+
+
+class _StepJudge(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
+    """What every judge shares: model, prompt, encoding, step-token scoring.
+
+    The public methods come from :class:`~skafa.base.DecisiveStepMixin` through
+    its hooks (``_turn_scores``, ``_turn_proba``, ...). A subclass sets its
+    parameters in ``__init__`` (those of ``_parameter_constraints`` here plus its
+    own) and overrides :meth:`_judge_scores` (one score array per conversation);
+    :meth:`_score_plan` takes an intervention during the prompts' forward passes
+    (``context_for``).
+    """
+
+    _parameter_constraints: dict = {
+        "model": "no_validation",  # checked in fit, with a hint on registering models
+        "prompt": [PromptTemplate, None],
+        "chat_template_kwargs": [dict, None],
+        "answer_prefix": [str],
+        "device": [str],
+        "dtype": [str],
+        "batch_size": [Interval(numbers.Integral, 1, None, closed="left")],
+        "verbose": ["verbose"],
+    }
+
+    # skafa.persistence: load(model=, device=) replace those parameters; the judge is
+    # summarised in skafa.json and its model checked on load.
+    _load_overrides = frozenset({"model", "device"})
+    _reads_model = True
+    # DecisiveStepMixin: fit reads y off the conversations when it is None; score
+    # takes no sample_weight (fit takes none either).
+    _decisive_requires_y = False
+    _score_takes_sample_weight = False
+    __metadata_request__score = {"sample_weight": metadata_routing.UNUSED}
+
+    def _restore_after_load(self, context):
+        """Check the model this judge will use (see skafa.persistence)."""
+        if hasattr(self, "model_fingerprint_"):
+            verify_saved_model(self, context)
+
+    # ------------------------------------------------------------------ plumbing
+    def _check_model(self):
+        if not isinstance(self.model, (str, os.PathLike, ModelHandle)) or not str(self.model):
+            raise TypeError(
+                "model must be a model name or path (str) loaded through "
+                f"skafa.llm.load_model, got {type(self.model).__name__}. To use a model "
+                "object, register it with skafa.llm.register_model and pass its name."
+            )
+
+    def _resolve_prompt(self):
+        return PromptTemplate() if self.prompt is None else self.prompt
+
+    def _load(self):
+        from ..llm import load_model
+
+        return load_model(self.model, device=self.device,
+                          dtype=getattr(self, "dtype_", self.dtype))
+
+    def _fit_model(self, X, y):
+        """Validate ``X`` (and ``y``), load the model, set the model attributes.
+
+        Returns the conversations and the loaded ``(model, tokenizer)``.
+        """
+        self._check_model()
+        convs = check_conversations(X, type(self).__name__)
+        if y is not None:
+            _check_steps(y, convs, type(self).__name__)
+        self.prompt_ = self._resolve_prompt()
+        from ..llm import context_length, model_fingerprint, model_identity, resolve_dtype
+
+        self.dtype_ = resolve_dtype(self.dtype, self.device, model=self.model)
+        lm, tokenizer = self._load()
+        self.context_length_ = int(context_length(lm))
+        self.model_identity_ = model_identity(self.model)
+        self.model_fingerprint_ = model_fingerprint(lm)
+        self.n_conversations_fit_ = len(convs)
+        return convs, lm, tokenizer
+
+    # ------------------------------------------------------------------ encoding
+    def _encode(self, index, conv, tokenizer, extra_tokens, what):
+        """Encode one conversation; refuse it (naming it) when it cannot fit."""
+        from ..exceptions import PromptTooLongError
+        from ..llm import check_fits
+
+        enc = self.prompt_.encode(conv, tokenizer, chat_template_kwargs=self.chat_template_kwargs,
+                                  index=index, max_tokens=self.context_length_)
+        check_fits(enc, self.context_length_, index, conv)
+        if enc.n_tokens + extra_tokens > self.context_length_:
+            budget = self.context_length_ - extra_tokens
+            raise PromptTooLongError(
+                f"{describe_conversation(index, task_id=conv.task_id, record_id=conv.record_id)} has {enc.n_tokens} prompt tokens; with the "
+                f"judge's {extra_tokens} answer tokens ({what}) that is more than the "
+                f"model's context length of {self.context_length_}. Shorten it with "
+                f"PromptTemplate(shorten='middle_first', max_prompt_tokens={budget}) or "
+                "shorten='head_tail', or drop the conversation.",
+                n_tokens=enc.n_tokens + extra_tokens, max_tokens=self.context_length_)
+        return enc
+
+    def _load_checked(self):
+        """Load the model and check it is the one the judge was fitted with."""
+        from ..llm import load_checked_model
+
+        return load_checked_model(self.model, device=self.device, dtype=self.dtype_,
+                                  fingerprint=self.model_fingerprint_,
+                                  owner=type(self).__name__)
+
+    def _pad_id(self, tokenizer):
+        for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+            if tid is not None:
+                return int(tid)
+        return 0
+
+    def _batches(self, lengths):
+        from ..llm import length_batches
+
+        return length_batches(lengths, int(self.batch_size))
+
+    def _log(self, start, done, total, batch, convs, n_tokens):
+        if self.verbose > 0:
+            ids = ", ".join(str(convs[i].record_id or i) for i in batch)
+            log(self, 1, f"{done}/{total} conversations ({ids}): "
+                         f"{max(n_tokens)} tokens, {time.perf_counter() - start:.2f} s")
+
+    # ------------------------------------------------------------------ logprob scoring
+    def _candidate_plan(self, convs, lm, tokenizer):
+        """Prompt + shared answer tokens of every conversation, and the candidates.
+
+        Returns
+        -------
+        plan : Bunch
+            ``prefixes`` (int64 arrays: prompt and the answer tokens common to all
+            candidates), ``continuations`` (per conversation, the remaining tokens
+            of each candidate step), ``encodings``, ``number_mask`` and ``pad_id``.
+        """
+        vocab = int(lm.get_output_embeddings().weight.shape[0])
+        number_mask = number_continuation_mask(tokenizer, vocab)
+        prefixes, conts, encodings = [], [], []
+        for i, conv in enumerate(convs):
+            shared, cont = answer_token_plan(tokenizer, self.answer_prefix, len(conv))
+            extra = len(shared) + max(len(c) for c in cont)
+            enc = self._encode(i, conv, tokenizer, extra,
+                               "answer prefix and the longest step number")
+            prefixes.append(np.concatenate([np.asarray(enc.input_ids, dtype=np.int64),
+                                            np.asarray(shared, dtype=np.int64)]))
+            conts.append(cont)
+            encodings.append(enc)
+        return Bunch(prefixes=prefixes, continuations=conts, encodings=encodings,
+                     number_mask=number_mask, pad_id=self._pad_id(tokenizer))
+
+    def _score_plan(self, lm, convs, plan, context_for=None):
+        """Candidate log-probabilities of every conversation, batch by batch.
+
+        ``context_for(batch)``, when given, returns the ``prefix_context`` of
+        :func:`score_candidates` for the conversations ``batch`` (or None).
+        """
+        prefixes = plan.prefixes
+        scores = [None] * len(convs)
+        start, done = time.perf_counter(), 0
+        for batch in self._batches([len(p) for p in prefixes]):
+            context = None if context_for is None else context_for(batch)
+            out = score_candidates(lm, [prefixes[i] for i in batch],
+                                   [plan.continuations[i] for i in batch], plan.number_mask,
+                                   pad_id=plan.pad_id, prefix_context=context)
+            for i, s in zip(batch, out):
+                scores[i] = s
+            done += len(batch)
+            self._log(start, done, len(convs), batch, convs, [len(prefixes[i]) for i in batch])
+        return scores
+
+    def _logprob_scores(self, convs):
+        lm, tokenizer = self._load_checked()
+        return self._score_plan(lm, convs, self._candidate_plan(convs, lm, tokenizer))
+
+    def _judge_scores(self, convs):
+        """One float64 score array per conversation (length: its number of turns)."""
+        return self._logprob_scores(convs)
+
+    # ------------------------------------------------------------------ DecisiveStepMixin hooks
+    def _check_decisive_input(self, X):
+        return check_conversations(X, type(self).__name__)
+
+    def _check_decisive_steps(self, y, X):
+        return _check_steps(y, X, type(self).__name__)
+
+    def _turn_scores(self, X):
+        convs = self._check_decisive_input(X)
+        scores = self._judge_scores(convs)
+        return _ConversationRows(convs), np.concatenate(
+            [np.asarray(s, dtype=np.float64) for s in scores])
+
+    def _turn_proba(self, scores, offsets):
+        # the model's distribution over answers, renormalised to the valid steps
+        return np.concatenate([_softmax(s) for s in np.split(scores, offsets[1:-1])])
+
+
+class PromptedJudge(_StepJudge):
     """Zero-shot LLM judge of the decisive step, on the probes' model and prompt.
 
     The judge renders each conversation with the same
@@ -537,27 +756,10 @@ class PromptedJudge(PersistenceMixin, BaseEstimator):
     """
 
     _parameter_constraints: dict = {
-        "model": "no_validation",  # checked in fit, with a hint on registering models
-        "prompt": [PromptTemplate, None],
-        "chat_template_kwargs": [dict, None],
-        "answer_prefix": [str],
+        **_StepJudge._parameter_constraints,
         "mode": [StrOptions(set(_MODES))],
         "max_new_tokens": [Interval(numbers.Integral, 1, None, closed="left")],
-        "device": [str],
-        "dtype": [str],
-        "batch_size": [Interval(numbers.Integral, 1, None, closed="left")],
-        "verbose": ["verbose"],
     }
-
-    # skafa.persistence: load(model=, device=) replace those parameters; the judge is
-    # summarised in skafa.json and its model checked on load.
-    _load_overrides = frozenset({"model", "device"})
-    _reads_model = True
-
-    def _restore_after_load(self, context):
-        """Check the model this judge will use (see skafa.persistence)."""
-        if hasattr(self, "model_fingerprint_"):
-            verify_saved_model(self, context)
 
     def __init__(
         self,
@@ -584,33 +786,6 @@ class PromptedJudge(PersistenceMixin, BaseEstimator):
         self.batch_size = batch_size
         self.verbose = verbose
 
-    def __sklearn_tags__(self):
-        tags = super().__sklearn_tags__()
-        # Conversation-level, zero-shot: X is a list of Conversation, y is optional.
-        tags.estimator_type = None
-        tags.input_tags.two_d_array = False
-        tags.target_tags.required = False
-        tags.non_deterministic = False
-        return tags
-
-    # ------------------------------------------------------------------ plumbing
-    def _check_model(self):
-        if not isinstance(self.model, (str, os.PathLike, ModelHandle)) or not str(self.model):
-            raise TypeError(
-                "model must be a model name or path (str) loaded through "
-                f"skafa.llm.load_model, got {type(self.model).__name__}. To use a model "
-                "object, register it with skafa.llm.register_model and pass its name."
-            )
-
-    def _resolve_prompt(self):
-        return PromptTemplate() if self.prompt is None else self.prompt
-
-    def _load(self):
-        from ..llm import load_model
-
-        return load_model(self.model, device=self.device,
-                          dtype=getattr(self, "dtype_", self.dtype))
-
     # ------------------------------------------------------------------ fit
     @fit_context(prefer_skip_nested_validation=True)
     def fit(self, X, y=None, groups=None):
@@ -630,95 +805,8 @@ class PromptedJudge(PersistenceMixin, BaseEstimator):
         self : PromptedJudge
             The fitted judge.
         """
-        self._check_model()
-        convs = check_conversations(X, "PromptedJudge")
-        if y is not None:
-            _check_steps(y, convs)
-        self.prompt_ = self._resolve_prompt()
-        from ..llm import context_length, model_fingerprint, model_identity, resolve_dtype
-
-        self.dtype_ = resolve_dtype(self.dtype, self.device, model=self.model)
-        lm, _ = self._load()
-        self.context_length_ = int(context_length(lm))
-        self.model_identity_ = model_identity(self.model)
-        self.model_fingerprint_ = model_fingerprint(lm)
-        self.n_conversations_fit_ = len(convs)
+        self._fit_model(X, y)
         return self
-
-    # ------------------------------------------------------------------ encoding
-    def _encode(self, index, conv, tokenizer, extra_tokens, what):
-        """Encode one conversation; refuse it (naming it) when it cannot fit."""
-        from ..exceptions import PromptTooLongError
-        from ..llm import check_fits
-
-        enc = self.prompt_.encode(conv, tokenizer, chat_template_kwargs=self.chat_template_kwargs,
-                                  index=index, max_tokens=self.context_length_)
-        check_fits(enc, self.context_length_, index, conv)
-        if enc.n_tokens + extra_tokens > self.context_length_:
-            budget = self.context_length_ - extra_tokens
-            raise PromptTooLongError(
-                f"{describe_conversation(index, task_id=conv.task_id, record_id=conv.record_id)} has {enc.n_tokens} prompt tokens; with the "
-                f"judge's {extra_tokens} answer tokens ({what}) that is more than the "
-                f"model's context length of {self.context_length_}. Shorten it with "
-                f"PromptTemplate(shorten='middle_first', max_prompt_tokens={budget}) or "
-                "shorten='head_tail', or drop the conversation.",
-                n_tokens=enc.n_tokens + extra_tokens, max_tokens=self.context_length_)
-        return enc
-
-    def _load_checked(self):
-        """Load the model and check it is the one the judge was fitted with."""
-        from ..llm import model_fingerprint
-
-        lm, tokenizer = self._load()
-        if model_fingerprint(lm) != self.model_fingerprint_:
-            raise RuntimeError(
-                f"The model {self.model!r} loaded now differs from the one this judge was "
-                "fitted with (architecture fingerprint changed); refit it."
-            )
-        return lm, tokenizer
-
-    def _pad_id(self, tokenizer):
-        for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-            if tid is not None:
-                return int(tid)
-        return 0
-
-    def _batches(self, lengths):
-        order = np.argsort(np.asarray(lengths), kind="stable")
-        bs = int(self.batch_size)
-        return [order[i:i + bs] for i in range(0, len(order), bs)]
-
-    def _log(self, start, done, total, batch, convs, n_tokens):
-        if self.verbose > 0:
-            ids = ", ".join(str(convs[i].record_id or i) for i in batch)
-            log(self, 1, f"{done}/{total} conversations ({ids}): "
-                         f"{max(n_tokens)} tokens, {time.perf_counter() - start:.2f} s")
-
-    # ------------------------------------------------------------------ logprob mode
-    def _logprob_scores(self, convs):
-        lm, tokenizer = self._load_checked()
-        vocab = int(lm.get_output_embeddings().weight.shape[0])
-        number_mask = number_continuation_mask(tokenizer, vocab)
-        prefixes, conts = [], []
-        for i, conv in enumerate(convs):
-            shared, cont = answer_token_plan(tokenizer, self.answer_prefix, len(conv))
-            extra = len(shared) + max(len(c) for c in cont)
-            enc = self._encode(i, conv, tokenizer, extra,
-                               "answer prefix and the longest step number")
-            prefixes.append(np.concatenate([np.asarray(enc.input_ids, dtype=np.int64),
-                                            np.asarray(shared, dtype=np.int64)]))
-            conts.append(cont)
-        scores = [None] * len(convs)
-        pad = self._pad_id(tokenizer)
-        start, done = time.perf_counter(), 0
-        for batch in self._batches([len(p) for p in prefixes]):
-            out = score_candidates(lm, [prefixes[i] for i in batch],
-                                   [conts[i] for i in batch], number_mask, pad_id=pad)
-            for i, s in zip(batch, out):
-                scores[i] = s
-            done += len(batch)
-            self._log(start, done, len(convs), batch, convs, [len(prefixes[i]) for i in batch])
-        return scores
 
     # ------------------------------------------------------------------ generate mode
     def generate_report(self, X):
@@ -739,7 +827,7 @@ class PromptedJudge(PersistenceMixin, BaseEstimator):
             ``parse_failure_rate`` (float).
         """
         check_is_fitted(self)
-        convs = check_conversations(X, "PromptedJudge")
+        convs = check_conversations(X, type(self).__name__)
         lm, tokenizer = self._load_checked()
         prefix_ids = list(tokenizer(self.answer_prefix, add_special_tokens=False)["input_ids"])
         extra = len(prefix_ids) + int(self.max_new_tokens)
@@ -776,101 +864,21 @@ class PromptedJudge(PersistenceMixin, BaseEstimator):
         return Bunch(predictions=preds, parsed=parsed, parse_failed=failed, texts=texts,
                      parse_failure_rate=float(failed.mean()))
 
-    # ------------------------------------------------------------------ prediction API
-    def turn_decision_function(self, X):
-        """Per-turn scores of each conversation.
-
-        Parameters
-        ----------
-        X : list of Conversation
-
-        Returns
-        -------
-        scores : list of ndarray of float64
-            One array of length ``len(X[i])`` per conversation. In ``"logprob"``
-            mode, the log-probability that the answer is that step's number. In
-            ``"generate"`` mode, 1.0 at the predicted step and 0.0 elsewhere.
-        """
-        check_is_fitted(self)
-        convs = check_conversations(X, "PromptedJudge")
+    # ------------------------------------------------------------------ scores
+    def _judge_scores(self, convs):
+        """``"logprob"``: the log-probability that the answer is that step's number;
+        ``"generate"``: 1.0 at the parsed step (0 on a parse failure), 0.0 elsewhere."""
         if self.mode == "logprob":
             return self._logprob_scores(convs)
-        preds = self.generate_report(convs).predictions
         out = []
-        for conv, p in zip(convs, preds):
+        for conv, p in zip(convs, self.generate_report(convs).predictions):
             row = np.zeros(len(conv), dtype=np.float64)
             row[p] = 1.0
             out.append(row)
         return out
 
-    def turn_predict_proba(self, X):
-        """Per-turn probabilities of being the decisive step.
-
-        Parameters
-        ----------
-        X : list of Conversation
-
-        Returns
-        -------
-        proba : list of ndarray of float64
-            One array per conversation summing to 1. In ``"logprob"`` mode the
-            softmax of :meth:`turn_decision_function` (the model's distribution
-            over answers, renormalised to the valid steps); in ``"generate"``
-            mode one-hot on the prediction.
-        """
-        scores = self.turn_decision_function(X)
-        if self.mode == "logprob":
-            return [_softmax(s) for s in scores]
-        return scores
-
-    def predict(self, X):
-        """Decisive step of each conversation.
-
-        Parameters
-        ----------
-        X : list of Conversation
-
-        Returns
-        -------
-        steps : ndarray of int64, shape (n_conversations,)
-            ``"logprob"``: argmax of the scores (earliest on ties).
-            ``"generate"``: the parsed step, or 0 on a parse failure.
-        """
-        check_is_fitted(self)
-        convs = check_conversations(X, "PromptedJudge")
+    def _turn_proba(self, scores, offsets):
+        # "generate": one-hot on the prediction, as the scores
         if self.mode == "generate":
-            return self.generate_report(convs).predictions
-        return np.array([int(np.argmax(s)) for s in self._logprob_scores(convs)],
-                        dtype=np.int64)
-
-    def predict_agent(self, X):
-        """Speaker of the predicted decisive turn of each conversation.
-
-        Parameters
-        ----------
-        X : list of Conversation
-
-        Returns
-        -------
-        agents : ndarray of object, shape (n_conversations,)
-        """
-        convs = check_conversations(X, "PromptedJudge")
-        steps = self.predict(convs)
-        return np.array([c.turns[s].speaker for c, s in zip(convs, steps)], dtype=object)
-
-    def score(self, X, y=None):
-        """Step accuracy: fraction of conversations whose decisive step is predicted.
-
-        Parameters
-        ----------
-        X : list of Conversation
-        y : array-like of int, default=None
-            True decisive steps; ``None`` uses each conversation's ``mistake_step``.
-
-        Returns
-        -------
-        score : float
-        """
-        convs = check_conversations(X, "PromptedJudge")
-        y = _check_steps(y, convs)
-        return float(np.mean(self.predict(convs) == y))
+            return scores
+        return super()._turn_proba(scores, offsets)

@@ -1,12 +1,38 @@
 """Benchmarks as package code: the Who&When comparison (plain and pre-registered) and the
 online-auditing benchmark over
 :mod:`skafa.model_selection`'s nested-comparison machinery, and the peers it is compared
-with (the prompted judge, mi4afa). The scripts under ``examples/`` are their commands.
+with (the prompted judge, mi4afa); the extraction benchmark (skafa's extraction next to a
+bare forward pass, nnsight, TransformerLens and mi4afa); and the main job (the
+quickstart's steps). The scripts under ``examples/`` are their commands.
 """
 
 # Authors: The skafa developers
 # SPDX-License-Identifier: MIT
 
+from ._extraction import (
+    EXTRACTION_PEERS,
+    ExtractionBenchmarkSettings,
+    first_records,
+    measure_peak_memory,
+    run_device_benchmark,
+    run_extraction_benchmark,
+    run_peers_benchmark,
+)
+from ._locators import (
+    LOCATOR_ROWS,
+    LocatorBenchmarkSettings,
+    gap_closed,
+    locator_markdown,
+    run_locator_benchmark,
+    top_locator_head,
+)
+from ._main_job import (
+    MainJob,
+    MainJobSettings,
+    main_job_table,
+    prepare_main_job,
+    run_main_job,
+)
 from ._online import (
     POSITION_AUDITOR,
     TURN_CHAR_GRID,
@@ -47,8 +73,18 @@ from ._who_and_when import (
 )
 
 __all__ = [
+    "LOCATOR_ROWS",
+    "LocatorBenchmarkSettings",
+    "gap_closed",
+    "locator_markdown",
+    "run_locator_benchmark",
+    "top_locator_head",
     "AUTO",
     "BenchmarkSettings",
+    "EXTRACTION_PEERS",
+    "ExtractionBenchmarkSettings",
+    "MainJob",
+    "MainJobSettings",
     "OnlineBenchmarkSettings",
     "POSITION_AUDITOR",
     "TURN_CHAR_GRID",
@@ -65,9 +101,12 @@ __all__ = [
     "PLAIN_CHAT_TEMPLATE",
     "attention_note",
     "dask_backend",
+    "first_records",
     "judge_cache_head",
     "judge_from_result",
     "judge_predictions",
+    "main_job_table",
+    "measure_peak_memory",
     "mi4afa_activations",
     "mi4afa_fold",
     "mi4afa_setup",
@@ -78,5 +117,10 @@ __all__ = [
     "preregistered_deviations",
     "preregistered_markdown",
     "preregistered_names",
+    "prepare_main_job",
     "run_benchmark",
+    "run_device_benchmark",
+    "run_extraction_benchmark",
+    "run_main_job",
+    "run_peers_benchmark",
 ]

@@ -75,6 +75,10 @@ DEFAULT_MEMORY_BYTES = 512 * 1024**2
 _FORMAT = "skafa.activations/2"
 _TENSOR = "activations"
 
+#: Site kinds keyed apart from hidden states, with the version of their recipe
+#: (``head_attn``: mass from the prompt's last token to each turn's line, version 1).
+_SITE_KINDS = {"head_attn": "head_attn/1"}
+
 
 def conversation_content(conversation):
     """The parts of a conversation that determine its activations.
@@ -104,7 +108,7 @@ def _canonical_json(obj):
 
 def activation_key(*, model_identity, model_fingerprint, dtype, prompt_fingerprint,
                    chat_template_kwargs, conversation, tokenizer_fingerprint=None,
-                   template_date=None, read="last"):
+                   template_date=None, read="last", site_kind=None):
     """SHA-256 key of one conversation's activations.
 
     Parameters
@@ -133,6 +137,11 @@ def activation_key(*, model_identity, model_fingerprint, dtype, prompt_fingerpri
         How turn vectors are read (:class:`~skafa.llm.TurnActivationTransformer`'s
         ``read``). ``"last"`` adds nothing to the key, so caches written before this
         option existed stay valid.
+    site_kind : {None, "head_attn"}, default=None
+        What the entry's sites hold. ``None``: hidden states (adds nothing to the
+        key, so existing caches stay valid). ``"head_attn"``: per-head attention
+        mass (``head_attn.<l>`` sites, one feature per head), keyed apart with
+        the version of its recipe, as its rows have another width.
 
     Returns
     -------
@@ -156,6 +165,11 @@ def activation_key(*, model_identity, model_fingerprint, dtype, prompt_fingerpri
         raise ValueError(f"read must be one of {tuple(READS)}, got {read!r}.")
     if READS[read].keyed:  # "last" adds nothing: keys older than reads stay valid
         payload["read"] = str(read)
+    if site_kind is not None:
+        if site_kind not in _SITE_KINDS:
+            raise ValueError(f"site_kind must be None or one of {tuple(_SITE_KINDS)}, got "
+                             f"{site_kind!r}.")
+        payload["site_kind"] = _SITE_KINDS[site_kind]
     return hashlib.sha256(_canonical_json(payload).encode("utf-8")).hexdigest()
 
 

@@ -35,11 +35,25 @@ from ..persistence import PersistenceMixin
 from ..utils.sklearn_compat import Interval, StrOptions, fit_context
 from ..utils.validation import describe_conversation
 from ._attention import banded_sliding_window_attention
+from ._batching import SequenceTooLarge, length_batches
 from ._cache import ActivationCache, activation_key
-from ._models import ModelHandle, resolve_dtype, verify_saved_model
+from ._head_attention import head_attention_rows, turn_attention_mass
+from ._models import (
+    ModelHandle,
+    kv_cache_argument,
+    load_checked_model,
+    resolve_dtype,
+    verify_saved_model,
+)
 from ._prompt import PromptTemplate
 from ._reads import READS
-from ._sites import decoder_layout, parse_site, site_depth, validate_sites
+from ._sites import (
+    decoder_layout,
+    is_head_attention_site,
+    parse_site,
+    site_depth,
+    validate_sites,
+)
 
 __all__ = ["TurnActivationTransformer", "extract_activations", "SiteReader"]
 
@@ -90,6 +104,11 @@ class SiteReader:
     def __init__(self, layout, sites, *, early_stop=True):
         self.layout = layout
         self.sites = tuple(sites)
+        heads = [s for s in self.sites if is_head_attention_site(s)]
+        if heads:
+            raise ValueError(f"SiteReader reads hidden states; {heads} are head-attention "
+                             "sites (read them with extract_activations or "
+                             "TurnActivationTransformer).")
         deepest = max(self.sites, key=site_depth)
         self.stop_site = None if (deepest == "resid_final" or not early_stop) else deepest
         self._buffer = None
@@ -183,7 +202,7 @@ class SiteReader:
                     try:
                         cache = ({"use_cache": False} if past_key_values is None else
                                  {"use_cache": True,
-                                  _cache_kwarg(self.layout.decoder): past_key_values})
+                                  kv_cache_argument(self.layout.decoder): past_key_values})
                         self.layout.decoder(input_ids=input_ids, attention_mask=attention_mask,
                                             **cache)
                     except _StopForward:
@@ -196,103 +215,6 @@ class SiteReader:
                 self._rows = None
                 self._segments = None
                 self._counts = None
-
-
-def _cache_kwarg(decoder):
-    """Name of the decoder's KV-cache argument: ``cache`` (transformers >= 5.2x) or
-    ``past_key_values`` (earlier, deprecated later)."""
-    import inspect
-
-    params = inspect.signature(decoder.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _batches(lengths, batch_size):
-    """Indices sorted by decreasing length, cut into batches."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    return [order[k:k + batch_size] for k in range(0, len(order), batch_size)]
-
-
-class _SequenceTooLarge(MemoryError):
-    """One sequence alone does not fit the device memory (``index`` says which)."""
-
-    def __init__(self, index, message):
-        super().__init__(message)
-        self.index = index
-
-
-def _free_memory(device):
-    """Bytes free for activations on ``device``: CUDA free memory, else MemAvailable."""
-    import torch
-
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-
-
-def _activation_bytes(layout):
-    """``(per_token, per_token_squared)`` bytes a forward pass holds at its peak.
-
-    A deliberately generous estimate of the live tensors inside one decoder layer
-    (inference mode frees the previous layer's): residual stream, normed input,
-    q/k/v, attention output and the MLP's gate/up/product (``6 d + 4 i`` values
-    per token, in the compute dtype), plus the float32 gather buffer; and per
-    token *pair* the attention mask, and with eager attention the float32
-    scores and probabilities of every head.
-    """
-    decoder = layout.decoder
-    config = getattr(decoder, "config", None)
-    weight = layout.embedding.weight
-    d = int(weight.shape[-1])
-    inter = int(getattr(config, "intermediate_size", None) or 4 * d)
-    heads = int(getattr(config, "num_attention_heads", None) or 1)
-    size = weight.element_size()
-    per_token = size * (6 * d + 4 * inter) + 4 * d
-    attn = getattr(config, "_attn_implementation", "eager") or "eager"
-    per_pair = size + (8 * heads if attn == "eager" else 0)
-    return per_token, per_pair
-
-
-def _auto_batches(lengths, layout, device, *, fraction=0.8):
-    """Length-bucketed batches that fit ``fraction`` of the free memory of ``device``.
-
-    Batches are filled in decreasing length; a batch of ``b`` sequences padded to
-    ``w`` tokens is estimated to need ``b * (w * per_token + w**2 * per_pair)``
-    bytes (:func:`_activation_bytes`).
-
-    Raises
-    ------
-    _SequenceTooLarge
-        When one sequence alone is estimated not to fit.
-    """
-    per_token, per_pair = _activation_bytes(layout)
-    budget = fraction * _free_memory(device)
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches = []
-    for i in order:
-        need = lengths[i] * per_token + lengths[i] ** 2 * per_pair
-        if need > budget:
-            raise _SequenceTooLarge(i, (
-                f"sequence {i} ({lengths[i]} tokens) needs about {need / 2**30:.2f} GiB of "
-                f"activation memory, but only {budget / 2**30:.2f} GiB ({fraction:.0%} of the "
-                f"free memory) is available on {device}. Shorten the prompt "
-                "(PromptTemplate(max_prompt_tokens=...)), use dtype='bfloat16', free memory, "
-                "or extract on another device."))
-        if batches:
-            width = lengths[batches[-1][0]]
-            if (len(batches[-1]) + 1) * (width * per_token + width ** 2 * per_pair) <= budget:
-                batches[-1].append(i)
-                continue
-        batches.append([i])
-    return batches
 
 
 def _is_out_of_memory(exc):
@@ -329,12 +251,17 @@ def extract_activations(model, input_ids, positions, sites, *, starts=None, batc
     positions : sequence of 1-D int arrays
         Token positions to read in each sequence.
     sites : sequence of str
-        Valid site names.
+        Valid site names: hidden-state sites, or only head-attention sites
+        (``head_attn.<l>``, see below).
     starts : sequence of 1-D int arrays, optional
         With ``starts``, row ``k`` of sequence ``i`` is the *mean* of the sites over
         tokens ``starts[i][k] .. positions[i][k]`` (inclusive) instead of the value
         at ``positions[i][k]``. Spans may overlap; each needs
-        ``0 <= starts[i][k] <= positions[i][k]``.
+        ``0 <= starts[i][k] <= positions[i][k]``. With head-attention sites,
+        required: row ``k`` of site ``head_attn.l`` is, per head of layer ``l``,
+        the attention mass from the sequence's last token to tokens
+        ``starts[i][k] .. positions[i][k]`` (one forward pass per sequence, the
+        rows computed alone: :func:`skafa.llm.head_attention_rows`).
     batch_size : int or "auto", default=1
         Sequences per forward pass. Batches are formed by decreasing length and
         right-padded (with an attention mask); with causal attention a real
@@ -354,7 +281,8 @@ def extract_activations(model, input_ids, positions, sites, *, starts=None, batc
     Returns
     -------
     values : list of ndarray of float32, shape (len(positions[i]), n_sites, hidden_size)
-        In input order.
+        In input order (``n_heads`` in place of ``hidden_size`` for head-attention
+        sites).
     """
     return _extract(model, input_ids, positions, sites, starts=starts,
                     batch_size=batch_size, pad_token_id=pad_token_id,
@@ -371,14 +299,26 @@ def _extract(model, input_ids, positions, sites, *, starts=None, batch_size=1,
     """
     import torch
 
+    heads = [is_head_attention_site(s) for s in sites]
+    if any(heads):
+        if not all(heads):
+            raise ValueError(
+                "head-attention sites (head_attn.<l>) cannot be read together with "
+                f"hidden-state sites (got {list(sites)}): their rows have another width. "
+                "Use two extractors (e.g. in a TurnFeatureUnion).")
+        if starts is None:
+            raise ValueError("head-attention sites need starts: the first token of each "
+                             "turn's span.")
+        return _extract_heads(model, input_ids, positions, starts, sites, early_stop=early_stop,
+                              on_done=on_done, select=select)
     layout = decoder_layout(model)
     reader = SiteReader(layout, sites, early_stop=early_stop)
     device = layout.embedding.weight.device
     lengths = [int(np.asarray(ids).shape[0]) for ids in input_ids]
     results = [None] * len(lengths)
     auto = _check_batch_size(batch_size) == "auto"
-    queue = (_auto_batches(lengths, layout, device) if auto
-             else _batches(lengths, int(batch_size)))
+    queue = length_batches(lengths, "auto" if auto else int(batch_size), layout=layout,
+                           device=device)
     queue.reverse()  # a stack: pop() takes the next batch, halves go back on top
     n_passes = 0
     while queue:
@@ -434,7 +374,7 @@ def _extract(model, input_ids, positions, sites, *, starts=None, batch_size=1,
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             if len(batch) == 1:
-                raise _SequenceTooLarge(batch[0], (
+                raise SequenceTooLarge(batch[0], (
                     f"sequence {batch[0]} ({lengths[batch[0]]} tokens) alone ran out of "
                     f"memory on {device}. Shorten the prompt (PromptTemplate("
                     "max_prompt_tokens=...)), use dtype='bfloat16', or extract on another "
@@ -450,6 +390,71 @@ def _extract(model, input_ids, positions, sites, *, starts=None, batch_size=1,
             start += n
             if on_done is not None:
                 on_done(i, results[i])
+    return results, n_passes
+
+
+def _extract_heads(model, input_ids, positions, starts, sites, *, early_stop=True,
+                   on_done=None, select=None):
+    """:func:`_extract` for head-attention sites: one sequence per forward pass.
+
+    Row ``k`` of sequence ``i``, site ``head_attn.l``: per head of layer ``l``, the
+    attention mass from the sequence's last token (where a judge writes its answer)
+    to tokens ``starts[i][k] .. positions[i][k]``. Only that one query row of each
+    layer is computed (:func:`skafa.llm.head_attention_rows`); with ``early_stop``
+    the pass ends after the deepest requested layer's attention.
+    """
+    import torch
+
+    layout = decoder_layout(model)
+    decoder = layout.decoder
+    layers = [parse_site(s)[1] for s in sites]
+    deepest = max(layers)
+    stop_module = (getattr(layout.layers[deepest], "self_attn", None)
+                   if early_stop and deepest < layout.n_layers - 1 else None)
+    device = layout.embedding.weight.device
+    lengths = [int(np.asarray(ids).shape[0]) for ids in input_ids]
+    results = [None] * len(lengths)
+    n_passes = 0
+
+    def stop(module, args, output):
+        raise _StopForward
+
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):  # longest first
+        batch = [i]
+        if select is not None:
+            batch = list(select(batch))
+            if not batch:
+                continue
+        [i] = batch
+        pos = np.asarray(positions[i], dtype=np.int64)
+        first = np.asarray(starts[i], dtype=np.int64)
+        if first.shape != pos.shape or (pos.size and (
+                first.min() < 0 or np.any(first > pos) or pos.max() >= lengths[i])):
+            raise ValueError(
+                f"sequence {i}: starts and positions must have one shape and satisfy "
+                f"0 <= starts <= positions <= {lengths[i] - 1}.")
+        ids = torch.from_numpy(np.asarray(input_ids[i], dtype=np.int64)[None]).to(device)
+        with _model_lock(decoder):
+            handle = None if stop_module is None else stop_module.register_forward_hook(stop)
+            try:
+                with torch.inference_mode(), banded_sliding_window_attention(decoder), \
+                        head_attention_rows(decoder, [-1]) as rows:
+                    try:
+                        decoder(input_ids=ids, use_cache=False)
+                    except _StopForward:
+                        pass
+            finally:
+                if handle is not None:
+                    handle.remove()
+        spans = list(zip(first.tolist(), (pos + 1).tolist()))
+        out = np.empty((pos.size, len(sites), rows.n_heads), dtype=np.float32)
+        for column, layer in enumerate(layers):
+            # (n_heads, n_keys) at the one query row -> (n_turns, n_heads)
+            out[:, column, :] = turn_attention_mass(rows.weights[layer][0, :, 0], spans).T
+        n_passes += 1
+        results[i] = out
+        if on_done is not None:
+            on_done(i, out)
     return results, n_passes
 
 
@@ -472,12 +477,7 @@ def _task_model(job):
     identity (file digest, ...) must be those the parent fitted with, so a
     worker with other model files under the same path fails loudly.
     """
-    from ._models import (
-        load_model,
-        model_fingerprint,
-        model_identity,
-        registered_models,
-    )
+    from ._models import registered_models
 
     if (job["identity"].get("kind") == "registered"
             and str(job["model"]) not in registered_models()):
@@ -487,21 +487,23 @@ def _task_model(job):
             "it. With n_jobs != 1 on a process or Dask backend, pass a path or name every "
             "worker can load (a saved folder, a .gguf file, 'smollm2', a hub id), or use "
             "joblib.parallel_config(backend='threading').")
-    model, _ = load_model(job["model"], device=job["device"], dtype=job["dtype"])
     check = json.dumps([str(job["model"]), job["device"], job["dtype"], job["identity"],
                         job["fingerprint"]], sort_keys=True, default=str)
+    model, _ = load_checked_model(job["model"], device=job["device"], dtype=job["dtype"])
     if _VERIFIED.get(id(model)) != check:
-        if model_fingerprint(model) != job["fingerprint"]:
-            raise RuntimeError(
-                f"process {os.getpid()}: the model {str(job['model'])!r} loaded here differs "
-                "from the one the transformer was fitted with (architecture fingerprint); "
-                "install the same model files on every worker.")
-        if model_identity(job["model"]) != job["identity"]:
-            raise RuntimeError(
-                f"process {os.getpid()}: the model files of {str(job['model'])!r} here differ "
-                "from the parent's (model identity); install the same files on every worker.")
+        load_checked_model(job["model"], device=job["device"], dtype=job["dtype"],
+                           fingerprint=job["fingerprint"], identity=job["identity"],
+                           owner="TurnActivationTransformer (worker process)")
         _VERIFIED[id(model)] = check
     return model
+
+
+def _n_heads(model):
+    """Attention heads per layer of ``model``."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    return int(config.num_attention_heads)
 
 
 def _check_finite(acts, item, sites):
@@ -541,7 +543,7 @@ def _extract_task(job, items, cache=None, progress=None):
     """
     sites = job["sites"]
     model = _task_model(job)
-    hidden = int(decoder_layout(model).embedding.weight.shape[-1])
+    hidden = job.get("width") or int(decoder_layout(model).embedding.weight.shape[-1])
     recheck = cache is None
     if cache is None and job["cache_dir"] is not None:
         cache = ActivationCache(job["cache_dir"], memory=False)
@@ -609,10 +611,11 @@ def _extract_task(job, items, cache=None, progress=None):
         try:
             return _extract(
                 model, [items[k]["input_ids"] for k in ks], [items[k]["positions"] for k in ks],
-                sites, starts=None if not job["mean"] else [items[k]["starts"] for k in ks],
+                sites, starts=(None if not (job["mean"] or job.get("heads"))
+                               else [items[k]["starts"] for k in ks]),
                 batch_size=job["batch_size"], pad_token_id=job["pad"],
                 on_done=lambda b, acts: done(ks[b], acts), select=select)[1]
-        except _SequenceTooLarge as exc:
+        except SequenceTooLarge as exc:
             raise MemoryError(f"{items[ks[exc.index]]['where']}: {exc}") from None
 
     n_passes = 0
@@ -652,7 +655,7 @@ def _n_workers(n_jobs):
 def _chunks(lengths, batch_size, n_workers):
     """Tasks for the workers: the serial run's batches, or length-sorted slices ("auto")."""
     if batch_size != "auto":
-        return _batches(lengths, batch_size)
+        return length_batches(lengths, batch_size)
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     n_tasks = min(len(order), 4 * max(1, n_workers))
     return [order[t::n_tasks] for t in range(n_tasks)]
@@ -707,6 +710,19 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         (:func:`skafa.llm.stride_sites`).
         Reading every site costs the same single forward pass, so keep the default
         and select sites downstream unless memory is tight.
+        Head-attention sites ``head_attn.<l>`` (``"head_attn"``: every layer) are
+        read instead of hidden states, never mixed with them: per turn, one
+        feature per head of layer ``l``, the attention mass from the prompt's
+        *answer position* to the turn's tokens. The answer position is the
+        prompt's last token (after the instruction and, with a chat template,
+        the assistant header), where a judge writes the first token of its
+        answer; the turn's tokens are its line in the transcript
+        (:attr:`skafa.llm.Encoding.turn_start_positions` to
+        :attr:`~skafa.llm.Encoding.turn_positions`), whatever ``read`` (which
+        still decides the prompt). Only that query row of each layer is computed
+        (:func:`skafa.llm.head_attention_rows`), one conversation per forward
+        pass; keyed apart in the cache. Probes over them are *locator-head
+        probes*; :func:`skafa.metrics.locator_head_accuracy` scores each head.
     read : {"last", "mean", "recap", "echo"}, default="last"
         Where a turn's vector comes from. ``"last"``: the token holding the turn's
         last character (:attr:`skafa.llm.Encoding.turn_positions`), which in a
@@ -771,7 +787,8 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
     hidden_size_ : int
         Width of the residual stream.
     n_features_out_ : int
-        Features per site (``hidden_size_``).
+        Features per site (``hidden_size_``; the number of attention heads for
+        head-attention sites).
     model_fingerprint_ : dict
         Architecture fingerprint (:func:`skafa.llm.model_fingerprint`).
     dtype_ : str
@@ -903,11 +920,10 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
             stats.update(cache.stats)
         return stats
 
-    def _load(self):
-        from ._models import load_model
-
-        model, tokenizer = load_model(self.model, device=self.device,
-                                      dtype=getattr(self, "dtype_", self.dtype))
+    def _load(self, fingerprint=None):
+        model, tokenizer = load_checked_model(
+            self.model, device=self.device, dtype=getattr(self, "dtype_", self.dtype),
+            fingerprint=fingerprint, owner=type(self).__name__)
         self._model = model
         self._tokenizer = tokenizer
         self._layout = decoder_layout(model)
@@ -915,14 +931,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
 
     def _ensure_loaded(self):
         if getattr(self, "_model", None) is None:
-            from ._models import model_fingerprint
-
-            model = self._load()
-            if model_fingerprint(model) != self.model_fingerprint_:
-                raise RuntimeError(
-                    f"The model {self.model!r} loaded now differs from the one this "
-                    "transformer was fitted with (architecture fingerprint changed); refit it."
-                )
+            self._load(fingerprint=self.model_fingerprint_)
         if getattr(self, "_cache", None) is None:
             self._cache = ActivationCache(self.cache_dir, memory=bool(self.memory_cache))
         if getattr(self, "_run_stats", None) is None:
@@ -960,8 +969,14 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         layout = self._layout
         self.n_layers_ = layout.n_layers
         self.hidden_size_ = int(layout.embedding.weight.shape[-1])
-        self.n_features_out_ = self.hidden_size_
         self.sites_ = validate_sites(self.sites, self.n_layers_)
+        heads = [is_head_attention_site(s) for s in self.sites_]
+        if any(heads) and not all(heads):
+            raise ValueError(
+                f"sites={list(self.sites_)} mixes head-attention sites (head_attn.<l>) with "
+                "hidden-state sites; their rows have different widths. Use one "
+                "TurnActivationTransformer for each (e.g. in a TurnFeatureUnion).")
+        self.n_features_out_ = _n_heads(model) if all(heads) else self.hidden_size_
         self.model_fingerprint_ = model_fingerprint(model)
         self.model_identity_ = model_identity(self.model)
         self.context_length_ = int(context_length(model))
@@ -973,7 +988,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         return self
 
     def get_feature_names_out(self, input_features=None):
-        """Names of the features of every site: ``x0`` ... ``x{hidden_size_ - 1}``.
+        """Names of the features of every site: ``x0`` ... ``x{n_features_out_ - 1}``.
 
         The same names :meth:`TurnFeatures.concatenate
         <skafa.TurnFeatures.concatenate>` gives unnamed features, so
@@ -987,10 +1002,15 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
 
         Returns
         -------
-        feature_names_out : ndarray of str, shape (hidden_size_,)
+        feature_names_out : ndarray of str, shape (n_features_out_,)
+            For head-attention sites ``x{h}`` is head ``h``.
         """
         check_is_fitted(self, "sites_")
-        return np.asarray([f"x{k}" for k in range(self.hidden_size_)], dtype=object)
+        return np.asarray([f"x{k}" for k in range(self.n_features_out_)], dtype=object)
+
+    def _heads(self):
+        """Whether this extractor reads head-attention sites."""
+        return is_head_attention_site(self.sites_[0])
 
     def _key(self, conversation, template_date=None):
         return activation_key(
@@ -1007,6 +1027,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
             tokenizer_fingerprint=self.tokenizer_fingerprint_,
             template_date=template_date,
             read=self.read,
+            site_kind="head_attn" if self._heads() else None,
         )
 
     def transform(self, X):
@@ -1033,7 +1054,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         X = check_conversations(X, "TurnActivationTransformer")
         self._ensure_loaded()
         cache = self._cache
-        sites, hidden = self.sites_, self.hidden_size_
+        sites, hidden = self.sites_, self.n_features_out_
         n_turns = np.array([len(c) for c in X], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(n_turns)]).astype(np.int64)
         values = np.empty((int(offsets[-1]), len(sites), hidden), dtype=np.float32)
@@ -1103,6 +1124,9 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         self._ensure_loaded()
         template = self.prompt_
         [site] = validate_sites([site], self.n_layers_)
+        if is_head_attention_site(site):
+            raise ValueError(f"site {site!r}: head-attention sites are read on the whole run "
+                             "(from the prompt's answer position), not streamed.")
         return TurnStream(self._model, self._tokenizer, SiteReader(self._layout, [site]),
                           template=template,
                           read=self.read, chat_template_kwargs=self.chat_template_kwargs,
@@ -1147,7 +1171,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         for i, conv in enumerate(X):
             key = self._key(conv, date)
             if key in seen or self._cache.contains(key, self.sites_, n_turns=len(conv),
-                                                   hidden_size=self.hidden_size_):
+                                                   hidden_size=self.n_features_out_):
                 continue
             seen.add(key)
             todo.append(i)
@@ -1186,7 +1210,8 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
                                       chat_template_kwargs=self.chat_template_kwargs, index=i,
                                       read=self.read, max_tokens=self.context_length_)
             check_fits(enc, self.context_length_, i, conv)
-            pos = np.asarray(enc.read_positions, dtype=np.int64)
+            pos = np.asarray(enc.turn_positions if self._heads() else enc.read_positions,
+                             dtype=np.int64)
             if pos.shape != (len(conv),):
                 raise RuntimeError(
                     f"{_where(i, conv)}: the prompt gave {pos.shape[0]} turn positions for "
@@ -1209,6 +1234,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
             "dtype": getattr(self, "dtype_", self.dtype),
             "identity": self.model_identity_, "fingerprint": self.model_fingerprint_,
             "sites": sites, "mean": READS[self.read].rows == "line", "pad": 0 if pad is None else int(pad),
+            "heads": self._heads(), "width": int(self.n_features_out_),
             "batch_size": _check_batch_size(self.batch_size),
             "cache_dir": (None if self.cache_dir is None
                           else os.path.expanduser(os.fspath(self.cache_dir))),

@@ -27,10 +27,12 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..persistence import register_value_codec
+from ..persistence import register_model_locator, register_value_codec
 
 __all__ = [
     "load_model",
+    "load_checked_model",
+    "kv_cache_argument",
     "clear_model_cache",
     "register_model",
     "unregister_model",
@@ -43,6 +45,7 @@ __all__ = [
     "SMOLLM2_FILE",
     "model_fingerprint",
     "model_identity",
+    "model_location",
     "context_length",
     "verify_saved_model",
     "resolve_dtype",
@@ -689,6 +692,74 @@ def context_length(model) -> int:
     return int(n)
 
 
+def kv_cache_argument(module):
+    """Name of the forward argument that takes a KV cache: ``cache`` or ``past_key_values``.
+
+    transformers renamed it (``cache`` in recent releases, ``past_key_values``
+    before); skafa's passes that continue from a cache ask the model which.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        A causal LM or its decoder.
+
+    Returns
+    -------
+    str
+    """
+    import inspect
+
+    params = inspect.signature(module.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def load_checked_model(model, *, device="cpu", dtype="auto", fingerprint=None,
+                       identity=None, owner="estimator"):
+    """Load a model (:func:`load_model`) and check it is the one an estimator was fitted with.
+
+    The one loading path of skafa's model-reading estimators (the extraction
+    transformer, its worker processes, the judges): a model found under the same
+    name or path whose architecture (``fingerprint``) or files (``identity``)
+    differ from those recorded at fit time is refused, naming both.
+
+    Parameters
+    ----------
+    model : str, os.PathLike or ModelHandle
+        As for :func:`load_model`.
+    device, dtype : str
+        As for :func:`load_model` (pass the resolved dtype recorded at fit).
+    fingerprint : dict, default=None
+        The :func:`model_fingerprint` recorded at fit; None skips the check (at fit).
+    identity : dict, default=None
+        The :func:`model_identity` recorded at fit; None skips the check.
+    owner : str, default="estimator"
+        Who asks, for the error message (e.g. ``"TurnActivationTransformer"``).
+
+    Returns
+    -------
+    model : transformers model
+    tokenizer : tokenizer
+
+    Raises
+    ------
+    RuntimeError
+        When the model loaded now differs from the recorded one.
+    """
+    lm, tokenizer = load_model(model, device=device, dtype=dtype)
+    where = f"process {os.getpid()}: " if "worker" in owner else ""
+    if fingerprint is not None and model_fingerprint(lm) != fingerprint:
+        raise RuntimeError(
+            f"{where}the model {str(model)!r} loaded now differs from the one this {owner} "
+            "was fitted with (architecture fingerprint changed); refit it, or install the "
+            "same model files.")
+    if identity is not None and model_identity(model) != identity:
+        raise RuntimeError(
+            f"{where}the model files of {str(model)!r} differ from those this {owner} was "
+            "fitted with (model identity: weights content); refit it, or install the same "
+            "files.")
+    return lm, tokenizer
+
+
 def model_fingerprint(model) -> dict:
     """Architecture summary of a loaded model (JSON-serialisable).
 
@@ -812,6 +883,43 @@ def model_identity(spec, *, gguf_file=None) -> dict:
     return {"kind": "hub", "name": ms.source}
 
 
+def model_location(spec, *, gguf_file=None) -> str:
+    """Where a model spec resolves to here: what a saved estimator records.
+
+    Unlike :func:`model_identity` (portable, for cache keys), this is the place:
+    the absolute path of a folder or GGUF file (``models/tiny`` typed in one
+    working directory and in another are two locations), ``"registered:<name>"``
+    or the hub id.
+
+    Parameters
+    ----------
+    spec : str, os.PathLike or ModelHandle
+    gguf_file : str, optional
+
+    Returns
+    -------
+    str
+    """
+    ms = resolve_model_spec(spec, gguf_file=gguf_file)
+    if ms.kind == "registered":
+        return f"registered:{ms.source}"
+    return ms.path or ms.source
+
+
+def _weights_summary(identity):
+    """The weights digest(s) of an identity, shortened for a message."""
+    if not isinstance(identity, dict):
+        return repr(identity)
+    if "weights" in identity and isinstance(identity["weights"], dict):
+        parts = [f"{name} sha256 {str(digest)[:12]}"
+                 for name, digest in sorted(identity["weights"].items())]
+        return ", ".join(parts) or "no weight files"
+    for key in ("sha256", "weights_sha256"):
+        if key in identity:
+            return f"sha256 {str(identity[key])[:12]}"
+    return "no weights digest (a hub id)"
+
+
 def verify_saved_model(estimator, context):
     """Load the model a loaded, fitted model-reading estimator will use and check it.
 
@@ -821,9 +929,14 @@ def verify_saved_model(estimator, context):
     ``estimator.dtype``) and compares its architecture with
     ``estimator.model_fingerprint_``: a different architecture raises
     :class:`ValueError`. The same architecture under another name, file or weights
-    warns with :class:`~skafa.exceptions.ModelMismatchWarning` and sets
-    ``estimator.model_identity_`` to the identity of the model now used. Does
-    nothing when :func:`skafa.load` was called with ``verify_model=False``.
+    (the full-content weights digest of :func:`model_identity`) warns with
+    :class:`~skafa.exceptions.ModelMismatchWarning`, naming where the model was
+    when the estimator was saved (:func:`model_location`, recorded in
+    ``skafa.json``) and where it resolves now, with both weights digests: a
+    relative ``models/tiny`` found from another working directory is named as
+    two places. It then sets ``estimator.model_identity_`` to the identity of the
+    model now used. Does nothing when :func:`skafa.load` was called with
+    ``verify_model=False``.
 
     Parameters
     ----------
@@ -868,11 +981,22 @@ def verify_saved_model(estimator, context):
     changed = identity != saved_identity or str(est.model) != saved_model
     if changed:
         where = f"'{context.path}'" if context.path else "the root"
+        saved_at = getattr(context, "saved_model_location", None) or "not recorded"
+        try:
+            now_at = model_location(est.model)
+        except (OSError, ValueError, TypeError, KeyError):
+            now_at = "unknown"
+        same_weights = (isinstance(identity, dict) and isinstance(saved_identity, dict)
+                        and _weights_summary(identity) == _weights_summary(saved_identity))
         warnings.warn(
-            f"{type(est).__name__} at {where}: saved with model {saved_model!r} "
-            f"(identity {saved_identity}), now using {str(est.model)!r} (identity "
-            f"{identity}). The architecture matches, but the weights may differ, so the "
-            "probe's coefficients may not transfer; evaluate before trusting it.",
+            f"{type(est).__name__} at {where}: saved with model {saved_model!r} at "
+            f"{saved_at} (weights {_weights_summary(saved_identity)}), now using "
+            f"{str(est.model)!r} at {now_at} (weights {_weights_summary(identity)}). "
+            + ("The weights are the same, the name or place differs."
+               if same_weights else
+               "The architecture matches but the weights differ, so the probe's "
+               "coefficients may not transfer: load with model=<the original model>, "
+               "or evaluate before trusting it."),
             ModelMismatchWarning,
             stacklevel=6,
         )
@@ -881,3 +1005,4 @@ def verify_saved_model(estimator, context):
 
 
 register_value_codec(ModelHandle, "__model_handle__", lambda handle: handle.name, ModelHandle)
+register_model_locator(model_location)

@@ -12,6 +12,11 @@ state of a token. Three kinds exist, named as in the shared API contract:
     MLP. See :func:`decoder_layout` for which module that is in each family.
 ``resid_final``
     The output of the decoder's final norm (what the LM head would read).
+``head_attn.{l}``
+    Not a hidden state: the attention of each of layer ``l``'s heads from the
+    prompt's answer position to each turn (one feature per head; see
+    :class:`~skafa.llm.TurnActivationTransformer`). Never part of ``"all"``;
+    ``"head_attn"`` names the sites of every layer (:func:`head_attention_sites`).
 
 The canonical order is depth order, ``resid_pre.0, mlp_in.0, resid_pre.1, ...,
 mlp_in.{L-1}, resid_final`` — ``2 * n_layers + 1`` sites (61 for SmolLM2).
@@ -27,13 +32,18 @@ __all__ = [
     "stride_sites",
     "parse_site",
     "validate_sites",
+    "head_attention_sites",
+    "is_head_attention_site",
     "parse_site_spec",
     "site_depth",
     "DecoderLayout",
     "decoder_layout",
 ]
 
-_SITE_RE = re.compile(r"^(resid_pre|mlp_in)\.(0|[1-9][0-9]*)$")
+_SITE_RE = re.compile(r"^(resid_pre|mlp_in|head_attn)\.(0|[1-9][0-9]*)$")
+
+#: The spec string naming the head-attention sites of every layer.
+_HEAD_ATTN = "head_attn"
 
 
 def all_sites(n_layers):
@@ -103,6 +113,44 @@ def stride_sites(n_layers, stride):
         "resid_final"]
 
 
+def head_attention_sites(n_layers):
+    """The head-attention site of every layer, in depth order.
+
+    Parameters
+    ----------
+    n_layers : int
+        Number of decoder layers.
+
+    Returns
+    -------
+    sites : list of str
+        ``["head_attn.0", ..., "head_attn.{L-1}"]``.
+
+    Examples
+    --------
+    >>> head_attention_sites(3)
+    ['head_attn.0', 'head_attn.1', 'head_attn.2']
+    """
+    all_sites(n_layers)  # validates n_layers
+    return [f"head_attn.{layer}" for layer in range(int(n_layers))]
+
+
+def is_head_attention_site(name):
+    """Whether ``name`` is a head-attention site (``head_attn.{l}``).
+
+    Parameters
+    ----------
+    name : str
+
+    Returns
+    -------
+    bool
+        ``False`` for hidden-state sites and for anything that is not a site name.
+    """
+    return isinstance(name, str) and _SITE_RE.match(name) is not None and name.startswith(
+        _HEAD_ATTN + ".")
+
+
 def _parse_stride(spec):
     """``"stride:K"`` -> ``K`` (an int >= 1); ``None`` for any other string."""
     if not spec.startswith("stride:"):
@@ -123,7 +171,7 @@ def parse_site(name):
 
     Returns
     -------
-    kind : {"resid_pre", "mlp_in", "resid_final"}
+    kind : {"resid_pre", "mlp_in", "resid_final", "head_attn"}
     layer : int or None
         The layer index; ``None`` for ``resid_final``.
 
@@ -147,7 +195,7 @@ def parse_site(name):
     if match is None:
         raise ValueError(
             f"Unknown site {name!r}: valid sites are 'resid_pre.<layer>', "
-            "'mlp_in.<layer>' and 'resid_final'."
+            "'mlp_in.<layer>', 'resid_final' and 'head_attn.<layer>'."
         )
     return match.group(1), int(match.group(2))
 
@@ -155,8 +203,9 @@ def parse_site(name):
 def site_depth(name):
     """Sort key putting sites in canonical depth order.
 
-    ``resid_pre.l`` -> ``2*l``, ``mlp_in.l`` -> ``2*l + 1``, ``resid_final`` ->
-    infinity-like (larger than any layer).
+    ``resid_pre.l`` -> ``2*l``, ``head_attn.l`` -> ``2*l + 0.5`` (the attention
+    of layer ``l`` runs between its input and its MLP), ``mlp_in.l`` -> ``2*l + 1``,
+    ``resid_final`` -> infinity-like (larger than any layer).
 
     Parameters
     ----------
@@ -170,6 +219,8 @@ def site_depth(name):
     kind, layer = parse_site(name)
     if kind == "resid_final":
         return float("inf")
+    if kind == _HEAD_ATTN:
+        return 2 * layer + 0.5
     return 2 * layer + (1 if kind == "mlp_in" else 0)
 
 
@@ -180,8 +231,10 @@ def validate_sites(sites, n_layers):
     ----------
     sites : None, str, or sequence of str
         ``None`` or ``"all"`` means every site (:func:`all_sites`);
-        ``"stride:K"`` means :func:`stride_sites` ``(n_layers, K)``. A single
-        site name is accepted as a one-element list.
+        ``"stride:K"`` means :func:`stride_sites` ``(n_layers, K)``;
+        ``"head_attn"`` means :func:`head_attention_sites` ``(n_layers)``. A single
+        site name is accepted as a one-element list. ``head_attn.<l>`` sites are
+        valid for ``l`` in range but never part of ``"all"``.
     n_layers : int
         Number of decoder layers.
 
@@ -208,6 +261,8 @@ def validate_sites(sites, n_layers):
         stride = _parse_stride(sites)
         if stride is not None:
             return tuple(stride_sites(n_layers, stride))
+        if sites == _HEAD_ATTN:
+            return tuple(head_attention_sites(n_layers))
         sites = [sites]
     try:
         sites = list(sites)
@@ -218,7 +273,7 @@ def validate_sites(sites, n_layers):
         ) from None
     if not sites:
         raise ValueError("sites is empty: request at least one site (or None for all).")
-    valid_set = set(valid)
+    valid_set = set(valid) | set(head_attention_sites(n_layers))
     bad = []
     for site in sites:
         if not isinstance(site, str):
@@ -235,8 +290,8 @@ def validate_sites(sites, n_layers):
     if bad:
         raise ValueError(
             f"Unknown site(s) for a model with {n_layers} layers: {', '.join(bad)}. "
-            f"Valid sites are 'resid_pre.<l>' and 'mlp_in.<l>' for l in 0..{n_layers - 1}, "
-            "and 'resid_final'."
+            f"Valid sites are 'resid_pre.<l>', 'mlp_in.<l>' and 'head_attn.<l>' for l in "
+            f"0..{n_layers - 1}, and 'resid_final'."
         )
     seen, dups = set(), []
     for site in sites:
@@ -254,7 +309,7 @@ def parse_site_spec(spec, n_layers=None):
     Parameters
     ----------
     spec : str
-        ``"all"``, ``"stride:K"`` or a comma-separated list of site names
+        ``"all"``, ``"stride:K"``, ``"head_attn"`` or a comma-separated list of site names
         (``"resid_pre.3, resid_final"``; blanks around names are ignored).
     n_layers : int or None, default=None
         With a layer count the specification is resolved and checked by
@@ -265,7 +320,7 @@ def parse_site_spec(spec, n_layers=None):
     -------
     sites : None, str, list of str or tuple of str
         Without ``n_layers``: ``None`` for ``"all"``, the ``"stride:K"`` string
-        (its stride checked), or the list of names. With ``n_layers``: the tuple
+        (its stride checked), ``"head_attn"``, or the list of names. With ``n_layers``: the tuple
         of :func:`validate_sites`.
 
     Raises
@@ -290,6 +345,8 @@ def parse_site_spec(spec, n_layers=None):
         parsed = None
     elif text.startswith("stride:"):
         _parse_stride(text)
+        parsed = text
+    elif text == _HEAD_ATTN:
         parsed = text
     else:
         parsed = [name.strip() for name in text.split(",") if name.strip()]

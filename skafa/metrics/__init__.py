@@ -1,9 +1,11 @@
-"""Step and agent accuracy, scorers, bootstrap confidence intervals and online metrics.
+"""Step and agent accuracy, scorers, bootstrap confidence intervals, online metrics and
+per-head locator accuracy.
 """
 
 # Authors: The skafa developers
 # SPDX-License-Identifier: MIT
 
+from ._locator import locator_head_accuracy
 from ._metrics import (
     AGENT_RULES,
     SCORERS,
@@ -54,6 +56,7 @@ __all__ = [
     "get_step_scorer",
     "lenient_step_accuracy",
     "lenient_step_matches",
+    "locator_head_accuracy",
     "make_step_scorer",
     "mean_absolute_step_shift",
     "miss_rate",

@@ -33,6 +33,7 @@ from sklearn.utils.validation import check_is_fitted
 
 from ..base import DecisiveStepMixin
 from ..compose import final_step_call
+from ..exceptions import ConfigurationError
 from ..features import check_turn_features
 from ..metrics import SCORERS
 from ..persistence import PersistenceMixin
@@ -483,10 +484,11 @@ class SiteSelector(DecisiveStepMixin, PersistenceMixin, MetaEstimatorMixin, Base
         y = check_steps(y, X)
         sites = resolve_sites(self.sites, X)
         if self.n_sites > len(sites):
-            raise ValueError(
-                f"n_sites={self.n_sites} exceeds the {len(sites)} sites compared "
-                f"({list(sites)})."
-            )
+            raise ConfigurationError(
+                f"{type(self).__name__}(n_sites={self.n_sites}) averages the "
+                f"{self.n_sites} best sites, but X holds only {len(sites)} to compare "
+                f"({', '.join(sites)}); lower n_sites, or read more sites "
+                "(e.g. sites='all' or a smaller stride).")
         _check_no_fixed_site(self.estimator, type(self).__name__)
         grid, candidates = self._candidates()
         cv = check_site_cv(self.cv)

@@ -19,6 +19,7 @@ from ._persistence import (
     allowed_classes,
     load,
     register_class,
+    register_model_locator,
     register_value_codec,
     save,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "allowed_classes",
     "load",
     "register_class",
+    "register_model_locator",
     "register_value_codec",
     "save",
 ]

@@ -548,6 +548,11 @@ def _join(path, key):
     return key if not path else f"{path}.{key}"
 
 
+def _contains(outer, path):
+    """Whether the place ``outer`` holds ``path`` (a reference there is a cycle)."""
+    return outer == "" or path == outer or path.startswith(outer + ".")
+
+
 def _is_estimator_like(obj):
     return hasattr(obj, "get_params") and hasattr(obj, "fit")
 
@@ -568,6 +573,12 @@ class _Writer:
     def _memo(self, obj, path):
         ref = self.memo.get(id(obj))
         if ref is not None:
+            if _contains(ref, path):
+                raise ValueError(
+                    f"skafa.persistence.save: the value at {_where(path)} is the object at "
+                    f"{_where(ref)}, which contains it: a reference cycle. scikit-learn's "
+                    "clone() cannot copy such a parameter either (it recurses without "
+                    "end); break the cycle.")
             return {"__ref__": ref}
         self.memo[id(obj)] = path
         self.keep.append(obj)
@@ -764,6 +775,39 @@ def _n_diagonals(m):
     return int(np.unique(cols.astype(np.int64) - rows).size)
 
 
+#: ``model -> str`` registered by the module that resolves models (skafa.llm), so
+#: this module names none: where the model of a saved estimator lives (absolute path).
+_MODEL_LOCATOR = None
+
+
+def register_model_locator(func):
+    """Teach :func:`save` where a model-reading estimator's model lives.
+
+    ``func(model)`` returns the resolved location of the estimator's ``model``
+    parameter (an absolute folder or file path, a registered name, a hub id)
+    or ``None``; :func:`save` records it in ``skafa.json`` next to the model's
+    identity (its weights digest), and :class:`LoadContext` gives it back as
+    ``saved_model_location``, so a load that finds another model under the same
+    (relative) name can name both places.
+
+    Parameters
+    ----------
+    func : callable
+    """
+    global _MODEL_LOCATOR
+    _MODEL_LOCATOR = func
+
+
+def _model_location(est):
+    model = getattr(est, "model", None)
+    if _MODEL_LOCATOR is None or model is None:
+        return None
+    try:
+        return _MODEL_LOCATOR(model)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None  # not resolvable here (a hub id offline, a model gone): nothing to record
+
+
 def _model_summary(est, name, path):
     prompt = getattr(est, "prompt_", None) or getattr(est, "prompt", None)
     kwargs = getattr(est, "chat_template_kwargs", None)
@@ -771,6 +815,7 @@ def _model_summary(est, name, path):
         "path": path,
         "class": name,
         "model": str(getattr(est, "model", None)),
+        "model_location": _model_location(est),
         "model_identity": getattr(est, "model_identity_", None),
         "model_fingerprint": getattr(est, "model_fingerprint_", None),
         "dtype": getattr(est, "dtype_", None) or getattr(est, "dtype", None),
@@ -971,6 +1016,12 @@ class LoadContext:
         """The model name or path the estimator at :attr:`path` was saved with, or None."""
         return self._reader.saved_models.get(self.path)
 
+    @property
+    def saved_model_location(self):
+        """Where that model was when the estimator was saved (the absolute path the
+        name resolved to; see :func:`register_model_locator`), or None."""
+        return self._reader.saved_locations.get(self.path)
+
     def warn(self, message, category=UserWarning):
         """Warn about the estimator at :attr:`path`, naming the file."""
         warnings.warn(f"{self.json_path}: {message}", category, stacklevel=5)
@@ -978,6 +1029,18 @@ class LoadContext:
     def fail(self, message):
         """A :class:`ValueError` naming the file and :attr:`path`, to raise."""
         return self._reader.fail(self.path, message)
+
+
+def _saved_locations(document):
+    """``{tree path: model location}`` from the file's model summary (text for messages
+    only: a hostile value is clipped, never followed)."""
+    models = document.get("models")
+    out = {}
+    for entry in models if isinstance(models, list) else ():
+        if isinstance(entry, dict) and isinstance(entry.get("path"), str) \
+                and isinstance(entry.get("model_location"), str):
+            out[entry["path"]] = _clip(entry["model_location"], 500)
+    return out
 
 
 class _Reader:
@@ -991,6 +1054,7 @@ class _Reader:
         self.trust = {str(t) for t in trust}
         self.objects = {}
         self.saved_models = {}  # path -> model name as saved
+        self.saved_locations = {}  # path -> where the model was at save time (skafa.json)
         self.used_arrays = set()
         self.n_file_bytes = n_file_bytes
         self.extra_bytes = 0
@@ -1187,6 +1251,9 @@ def _dec_ref(r, node, path):
     target = node["__ref__"]
     if not isinstance(target, str) or target not in r.objects:
         raise r.fail(path, f"reference to {_short(target)}, which was not loaded before it")
+    if _contains(target, path):
+        raise r.fail(path, f"reference to {_where(target)}, which contains it: a reference "
+                           "cycle (scikit-learn's clone() would recurse without end on it)")
     return r.objects[target]
 
 
@@ -1566,6 +1633,7 @@ def load(path, *, model=None, device=None, trust=(), verify_model=True, cache_di
                      model=model, trust=trust, verify_model=verify_model,
                      runtime={"cache_dir": cache_dir, "n_jobs": n_jobs, "device": device,
                               "verbose": verbose})
+    reader.saved_locations = _saved_locations(document)
     tree = document["tree"]
     if not isinstance(tree, dict) or "__estimator__" not in tree:
         raise ValueError(f"{json_path}: the tree does not describe an estimator.")

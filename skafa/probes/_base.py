@@ -6,6 +6,7 @@
 from numbers import Integral
 
 import numpy as np
+import scipy.sparse as sp
 from sklearn.base import BaseEstimator
 from sklearn.utils import metadata_routing
 from sklearn.utils.validation import check_is_fitted, has_fit_parameter
@@ -21,6 +22,35 @@ from ..utils.validation import (
     describe,
     locate_row,
 )
+
+
+def _used_columns(M):
+    """Sorted indices of the columns of sparse ``M`` that hold a stored entry.
+
+    O(nnz): never an array per declared column, which a hostile or careless
+    ``shape`` (a hashing vectorizer's 2**26 columns) would make huge.
+    """
+    return np.unique(sp.csr_matrix(M).indices).astype(np.int64)
+
+
+def _restrict_columns(M, columns):
+    """``M`` restricted to the sorted ``columns`` (entries elsewhere are dropped).
+
+    Sparse input is remapped in O(nnz log k) without scipy's column indexing,
+    which allocates an array per declared column; dense input is indexed.
+    """
+    if not sp.issparse(M):
+        return np.asarray(M)[:, columns]
+    M = sp.csr_matrix(M)
+    idx = M.indices
+    pos = np.searchsorted(columns, idx)
+    if columns.size:
+        hit = columns[np.minimum(pos, columns.size - 1)] == idx
+    else:
+        hit = np.zeros(idx.shape, dtype=bool)
+    indptr = np.concatenate(([0], np.cumsum(hit)))[M.indptr]
+    return sp.csr_matrix((M.data[hit], pos[hit], indptr),
+                         shape=(M.shape[0], columns.size))
 
 
 class _BaseGroupedArgmax(DecisiveStepMixin, BaseEstimator):
@@ -44,6 +74,12 @@ class _BaseGroupedArgmax(DecisiveStepMixin, BaseEstimator):
     #: Whether the turn model squares features (standardization, logistic loss), so
     #: values too large to square are refused in ``fit`` with their place named.
     _squares_features = False
+
+    #: Whether sparse turn rows are fitted on the columns that hold a value only
+    #: (``active_features_``). True for the linear probes, whose L2-penalised
+    #: weight on a column that is zero in every training row is exactly zero; an
+    #: arbitrary turn estimator may depend on the column count, so it sees all.
+    _compacts_sparse_columns = False
 
     def _make_turn_estimator(self, M):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -110,7 +146,41 @@ class _BaseGroupedArgmax(DecisiveStepMixin, BaseEstimator):
         check_feature_names(self, X, reset=fitting)
         return X, site, M
 
+    def _fit_columns(self, M):
+        """The matrix the turn model is fitted on, and ``active_features_``.
+
+        Sparse input to a linear probe keeps the columns that hold a value in
+        the training rows: memory and time follow the data, not the declared
+        column count. Dense input (already allocated in full) is kept as is.
+        """
+        if not (self._compacts_sparse_columns and sp.issparse(M)):
+            return M, None
+        columns = _used_columns(M)
+        if columns.size == 0 and M.shape[1]:  # no value anywhere: one (empty) column
+            columns = np.zeros(1, dtype=np.int64)
+        return _restrict_columns(M, columns), columns
+
+    def _active_columns(self, M):
+        """``M`` restricted to ``active_features_`` when ``fit`` compacted it."""
+        columns = getattr(self, "active_features_", None)
+        return M if columns is None else _restrict_columns(M, columns)
+
+    def _widen_coef(self, coef):
+        """Weights of the active columns as a ``(1, n_features_in_)`` row.
+
+        Dense when every column was fitted; after a compacted (sparse) fit a CSR
+        row holding the active columns, as ``LogisticRegression.sparsify()``
+        gives, so a huge declared column count costs nothing.
+        """
+        coef = np.asarray(coef, dtype=np.float64).reshape(1, -1)
+        columns = getattr(self, "active_features_", None)
+        if columns is None:
+            return coef
+        return sp.csr_matrix((coef.ravel(), columns.copy(), np.array([0, columns.size])),
+                             shape=(1, self.n_features_in_))
+
     def _raw_turn_scores(self, M):
+        M = self._active_columns(M)
         if self.response_method_ == "decision_function":
             scores = np.asarray(self.estimator_.decision_function(M), dtype=np.float64)
         else:
@@ -193,12 +263,16 @@ class _BaseGroupedArgmax(DecisiveStepMixin, BaseEstimator):
                 "decision_function nor predict_proba, so turns cannot be ranked."
             )
         row_weight = None if sample_weight is None else np.repeat(sample_weight, X.n_turns)
+        n_features = int(M.shape[1])
+        M, active = self._fit_columns(M)
+        if self._compacts_sparse_columns:
+            self.active_features_ = active
         self._fit_turn_estimator(estimator, M, labels, row_weight)
 
         self.estimator_ = estimator
         self.response_method_ = response_method
         self.site_ = site
-        self.n_features_in_ = int(M.shape[1])
+        self.n_features_in_ = n_features
         self._after_fit(M)
         return self
 

@@ -52,12 +52,20 @@ class GroupedArgmaxLogisticClassifier(_BaseGroupedArgmax):
     ----------
     estimator_ : Pipeline or LogisticRegression
         The fitted turn model (scaler + logistic regression when
-        ``standardize=True``).
+        ``standardize=True``); after a sparse fit it reads the columns
+        ``active_features_`` only.
     scaler_ : StandardScaler or None
         The fitted scaler, ``None`` when ``standardize=False``.
-    coef_ : ndarray of shape (1, n_features)
+    coef_ : ndarray or scipy.sparse CSR matrix of shape (1, n_features)
         Weights in the *original* (unstandardized) feature space, so that the
-        turn score is ``x @ coef_.ravel() + intercept_[0]``.
+        turn score is ``x @ coef_.T + intercept_[0]``. Fitted on sparse
+        features, a CSR row (as ``LogisticRegression.sparsify()`` gives) whose
+        entries are the ``active_features_``: the L2-penalised weight of a column
+        that is zero in every training turn is exactly zero.
+    active_features_ : ndarray of int or None
+        Columns of sparse training features that hold a value in some training
+        turn: the turn model is fitted on those only, so memory and time follow
+        the data, not the declared column count. ``None`` for dense features.
     intercept_ : ndarray of shape (1,)
         Intercept in the original feature space.
     n_iter_ : ndarray of shape (1,)
@@ -93,6 +101,7 @@ class GroupedArgmaxLogisticClassifier(_BaseGroupedArgmax):
     """
 
     _squares_features = True
+    _compacts_sparse_columns = True
 
     _parameter_constraints: dict = {
         **_BaseGroupedArgmax._parameter_constraints,
@@ -167,11 +176,11 @@ class GroupedArgmaxLogisticClassifier(_BaseGroupedArgmax):
                 else np.zeros_like(scale)
             )
             coef = logistic.coef_ / scale
-            self.coef_ = coef
+            self.coef_ = self._widen_coef(coef)
             self.intercept_ = logistic.intercept_ - coef @ mean
         else:
             self.scaler_ = None
             logistic = self.estimator_
-            self.coef_ = logistic.coef_.copy()
+            self.coef_ = self._widen_coef(logistic.coef_.copy())
             self.intercept_ = logistic.intercept_.copy()
         self.n_iter_ = logistic.n_iter_

@@ -82,13 +82,20 @@ class GroupedSoftmaxClassifier(_BaseGroupedArgmax):
 
     Attributes
     ----------
-    coef_ : ndarray of shape (1, n_features)
+    coef_ : ndarray or scipy.sparse CSR matrix of shape (1, n_features)
         Weights in the *original* (unstandardized) feature space: the turn
-        score is ``x @ coef_.ravel()``. There is no intercept: a constant
-        added to every turn of a conversation cancels in the softmax.
+        score is ``x @ coef_.T``. There is no intercept: a constant
+        added to every turn of a conversation cancels in the softmax. Fitted on
+        sparse features, a CSR row whose entries are the ``active_features_``
+        (the penalised weight of a column that is zero in every training turn is
+        exactly zero).
+    active_features_ : ndarray of int or None
+        Columns of sparse training features that hold a value in some training
+        turn: the model is fitted on those only, so memory and time follow the
+        data, not the declared column count. ``None`` for dense features.
     scaler_ : StandardScaler or None
         The fitted scaler (``with_mean=False``), ``None`` when
-        ``standardize=False``.
+        ``standardize=False``; after a sparse fit it covers ``active_features_``.
     n_iter_ : ndarray of shape (1,)
         Number of L-BFGS iterations run.
     objective_ : float
@@ -146,6 +153,8 @@ class GroupedSoftmaxClassifier(_BaseGroupedArgmax):
     >>> bool(np.allclose([p.sum() for p in proba], 1.0))
     True
     """
+
+    _compacts_sparse_columns = True
 
     _parameter_constraints: dict = {
         **_BaseGroupedArgmax._parameter_constraints,
@@ -211,6 +220,8 @@ class GroupedSoftmaxClassifier(_BaseGroupedArgmax):
                 "choice between turns to learn from; provide conversations with at "
                 "least two turns."
             )
+        n_features = int(M.shape[1])
+        M, self.active_features_ = self._fit_columns(M)
         Z = self._design(M, fitting=True, row_weight=None if sample_weight is None
                          else np.repeat(sample_weight, X.n_turns))
         target = X.global_turn_index(y)
@@ -254,14 +265,17 @@ class GroupedSoftmaxClassifier(_BaseGroupedArgmax):
         w = np.asarray(result.x, dtype=np.float64)
         if self.scaler_ is not None:
             w = w / self.scaler_.scale_
-        self.coef_ = w.reshape(1, -1)
+        self.n_features_in_ = n_features
+        self.coef_ = self._widen_coef(w)
         self.n_iter_ = np.array([result.nit], dtype=np.int32)
         self.objective_ = float(result.fun)
         self.response_method_ = "decision_function"
         self.site_ = site
-        self.n_features_in_ = int(M.shape[1])
         return self
 
     def _raw_turn_scores(self, M):
-        scores = M @ self.coef_.ravel()
+        w = self.coef_
+        if sp.issparse(w):  # a compacted fit: the weights of the active columns
+            w = self._active_columns(w).toarray()
+        scores = self._active_columns(M) @ np.asarray(w).ravel()
         return np.asarray(scores, dtype=np.float64).ravel()

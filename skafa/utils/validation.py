@@ -33,6 +33,7 @@ __all__ = [
     "group_labels",
     "check_task_id",
     "labels_from_conversations",
+    "reference_cycle",
 ]
 
 
@@ -454,3 +455,56 @@ def mean_hits(hits, sample_weight=None):
         return float(np.mean(hits))
     sample_weight = check_sample_weight(sample_weight, np.empty(hits.size))
     return float(np.average(hits, weights=sample_weight))
+
+
+def reference_cycle(owner):
+    """Names of the first parameter value of ``owner`` that contains itself, or None.
+
+    Walks dicts, lists, tuples, sets and nested estimators' parameters iteratively
+    (a deep but acyclic value cannot overflow the stack here).
+
+    Parameters
+    ----------
+    owner : estimator
+
+    Returns
+    -------
+    cycle : tuple of (str, str) or None
+        ``(inner, outer)``: the value at ``inner`` is the value at ``outer`` (or
+        ``owner`` itself); None without a cycle.
+
+    Examples
+    --------
+    >>> from sklearn.linear_model import LogisticRegression
+    >>> d = {}
+    >>> d["self"] = d
+    >>> reference_cycle(LogisticRegression(class_weight=d))
+    ("class_weight['self']", 'class_weight')
+    >>> reference_cycle(LogisticRegression()) is None
+    True
+    """
+    containers = (dict, list, tuple, set, frozenset)
+    params = owner.get_params(deep=False)
+    todo = [(False, name, value) for name, value in reversed(list(params.items()))]
+    # id -> name, for the values being walked (the current branch)
+    open_ids = {id(owner): f"the {type(owner).__name__}"}
+    while todo:
+        leaving, name, value = todo.pop()
+        if leaving:
+            open_ids.pop(id(value), None)
+            continue
+        is_estimator = hasattr(value, "get_params") and not isinstance(value, type)
+        if not (isinstance(value, containers) or is_estimator):
+            continue
+        if id(value) in open_ids:
+            return name, open_ids[id(value)]
+        open_ids[id(value)] = name
+        todo.append((True, name, value))
+        if isinstance(value, dict):
+            items = [(f"{name}[{k!r}]", v) for k, v in value.items()]
+        elif is_estimator:
+            items = [(f"{name}.{k}", v) for k, v in value.get_params(deep=False).items()]
+        else:
+            items = [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+        todo.extend((False, n, v) for n, v in reversed(items))
+    return None

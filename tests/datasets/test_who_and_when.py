@@ -403,3 +403,109 @@ def test_fetch_only_requested_subset_needs_to_exist(tmp_path):
     url = _archive(tmp_path, with_hand=False).as_uri()
     data = fetch_who_and_when(tmp_path / "home", subset="algorithm", url=url)
     assert set(data.subsets) == {AG}
+
+
+# --------------------------------------------------- bad and unlabelled records
+def _named_record(**changes):
+    record = {
+        "question": "What is 2 + 2?", "ground_truth": "4", "question_ID": "q1",
+        "history": [{"name": "a", "role": "assistant", "content": "x"},
+                    {"name": "b", "role": "assistant", "content": "y"}],
+        "mistake_step": "1", "mistake_agent": "b",
+    }
+    record.update(changes)
+    return {k: v for k, v in record.items() if v is not ...}
+
+
+def test_loader_names_and_counts_records_without_question_id(tmp_path):
+    from skafa.datasets import load_who_and_when
+
+    folder = tmp_path / "Algorithm-Generated"
+    folder.mkdir()
+    (folder / "1.json").write_text(json.dumps(_named_record()))
+    (folder / "2.json").write_text(json.dumps(_named_record(question_ID=...)))
+    with pytest.raises(ConversationError, match=r"2\.json.*question_ID"):
+        load_who_and_when(tmp_path)
+    with pytest.warns(UserWarning, match="skipped 1"):
+        data = load_who_and_when(tmp_path, strict=False)
+    assert len(data.conversations) == 1 and "question_ID" in data.skipped[0][1]
+
+
+def _role_record(**change):
+    record = {"question": "q", "ground_truth": "a", "question_ID": "T1",
+              "history": [{"role": "x", "content": "c"}, {"role": "y", "content": "d"}],
+              "mistake_step": "1", "mistake_agent": "y"}
+    record.update(change)
+    return record
+
+
+def _folder(tmp_path, files):
+    folder = tmp_path / "Hand-Crafted"
+    folder.mkdir(parents=True)
+    for name, text in files.items():
+        (folder / name).write_text(text, encoding="utf-8")
+    return folder
+
+
+def test_huge_mistake_step_is_skippable(tmp_path):
+    from skafa.datasets import load_who_and_when
+
+    text = json.dumps(_role_record()).replace('"mistake_step": "1"', '"mistake_step": ' + "9" * 5000)
+    folder = _folder(tmp_path, {"1.json": json.dumps(_role_record()), "2.json": text})
+    with pytest.raises(ConversationError, match="2.json"):
+        load_who_and_when(folder)
+    with pytest.warns(UserWarning, match="skipped 1"):
+        data = load_who_and_when(folder, strict=False)
+    assert len(data.conversations) == 1
+    with pytest.raises(ConversationError, match="outside any history"):
+        Conversation.from_who_and_when(_role_record(mistake_step="9" * 5000))
+
+
+@pytest.mark.parametrize("key", ["question", "ground_truth"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_are_refused(tmp_path, key, value):
+    from skafa.datasets import load_who_and_when
+
+    text = json.dumps(_role_record(**{key: "PLACEHOLDER"})).replace('"PLACEHOLDER"', value)
+    folder = _folder(tmp_path, {"1.json": text})
+    with pytest.raises(ConversationError, match="1.json"):
+        load_who_and_when(folder)
+    with pytest.raises(ConversationError, match=f"'{key}' is .*not read as"):
+        Conversation.from_who_and_when(_role_record(**{key: float(value)}))
+
+
+def test_same_record_id_twice_is_refused(tmp_path):
+    from skafa.datasets import load_who_and_when
+
+    folder = _folder(tmp_path, {"1.json": json.dumps(_role_record()),
+                                "1.JSON": json.dumps(_role_record())})
+    if len(list(folder.iterdir())) < 2:
+        pytest.skip("case-insensitive file system")
+    with pytest.raises(ConversationError, match="record id 'Hand-Crafted/1'"):
+        load_who_and_when(folder)
+
+
+def test_unlabelled_runs_load_and_metrics_skip_them(tmp_path):
+    from skafa.datasets import load_who_and_when
+    from skafa.metrics import drop_unlabelled, step_accuracy
+
+    absent = _role_record()
+    del absent["mistake_step"], absent["mistake_agent"]
+    folder = _folder(tmp_path, {"1.json": json.dumps(_role_record()),
+                                "2.json": json.dumps(absent),
+                                "3.json": json.dumps(_role_record(mistake_step=None,
+                                                             mistake_agent=None))})
+    with pytest.raises(ConversationError, match="labelled='auto'"):
+        load_who_and_when(folder)
+    data = load_who_and_when(folder, labelled="auto")
+    assert [c.mistake_step for c in data.conversations] == [1, None, None]
+    assert data.mistake_steps.tolist() == [1, -1, -1]
+    none = load_who_and_when(folder, labelled=False)
+    assert all(c.mistake_step is None for c in none.conversations)
+    with pytest.warns(UserWarning, match="skipped 2 unlabelled conversation"):
+        y, p = drop_unlabelled(data.mistake_steps, [1, 0, 0])
+    assert step_accuracy(y, p) == 1.0
+    with pytest.raises(ValueError, match="all 2 conversations are unlabelled"):
+        drop_unlabelled([None, -1], [0, 0])
+    conv = Conversation.from_who_and_when(absent, labelled="auto")
+    assert conv.mistake_step is None and conv.mistake_agent is None

@@ -1,9 +1,12 @@
 """Tests for the framework-free trace adapters: OpenTelemetry spans, AutoGen, LangGraph."""
 
 import json
+import warnings
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from skafa import Conversation, ConversationError
 from skafa.integrations import TraceConversation
@@ -263,3 +266,115 @@ def test_message_adapters_share_one_wording(adapter, unknown):
         conv, idx = adapter([good, unknown], on_unknown="skip", record_id="r1")
     assert record[0].filename == __file__          # the warning points at the caller
     assert conv.task == "q" and idx == (0,) and conv.record_id == "r1"
+
+
+# ------------------------------------ malformed traces: the readers' own errors
+def _chat(span_id, parent=None, t=0, agent=None):
+    attrs = {"gen_ai.operation.name": "chat",
+             "gen_ai.output.messages": '[{"role": "assistant", "content": "hi"}]'}
+    if agent:
+        attrs["gen_ai.agent.name"] = agent
+    return {"name": "chat", "span_id": span_id, "parent_id": parent, "start_ns": t,
+            "attributes": attrs}
+
+
+def _nested(depth):
+    value = {"stringValue": "x"}
+    for _ in range(depth):
+        value = {"arrayValue": {"values": [value]}}
+    return value
+
+
+@pytest.mark.parametrize("spans, match", [
+    ([{"name": "chat", "spanId": "a", "attributes": [{"value": {"stringValue": "x"}}]}],
+     r"span 0: attribute 0 has no 'key'"),
+    ({"spans": "abc"}, "'spans' must be a list, got str"),
+    ({"resourceSpans": [{"scopeSpans": "x"}]}, r"resourceSpans\[0\]\.scopeSpans must be a list"),
+    ([_chat("a"), _chat("a", t=1)], "spans 0 and 1 have the same span id 'a'"),
+    ([{"name": "chat", "spanId": "a", "attributes": [{"key": "k", "value": _nested(100_000)}]}],
+     "span 0: an attribute value nests more than"),
+    ([{"name": "c", "span_id": "a", "attributes": 5}], "span 0: its attributes are a int"),
+])
+def test_otel_errors_name_the_trace_and_span(spans, match):
+    with pytest.raises(ConversationError, match=r"trace 'r1': " + match):
+        conversation_from_otel_spans(spans, record_id="r1")
+
+
+def test_otel_deep_python_nesting_is_not_a_recursion_error():
+    deep = current = []
+    for _ in range(100_000):
+        current.append([])
+        current = current[0]
+    span = {"name": "t", "span_id": "a", "attributes": {
+        "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "f",
+        "gen_ai.tool.call.arguments": deep}}
+    with pytest.raises(ConversationError, match="span 0: nested too deeply"):
+        conversation_from_otel_spans([span])
+
+
+def test_otel_agent_lookup_is_linear():
+    import time
+
+    spans = [{"name": "invoke_agent", "span_id": "s0", "start_ns": 0, "attributes": {
+        "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "boss"}}]
+    spans += [_chat(f"s{i}", f"s{i - 1}", t=i) for i in range(1, 20_000)]
+    start = time.perf_counter()
+    conv, _ = conversation_from_otel_spans(spans)
+    assert set(conv.speakers) == {"boss"}
+    assert time.perf_counter() - start < 20  # quadratic: minutes
+
+
+def test_otel_agent_lookup_keeps_nearest_agent():
+    spans = [
+        {"name": "a", "span_id": "A", "start_ns": 0, "attributes": {
+            "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "outer"}},
+        {"name": "b", "span_id": "B", "parent_id": "A", "start_ns": 1, "attributes": {
+            "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "inner"}},
+        _chat("c", "B", t=2), _chat("d", "A", t=3), _chat("e", "zz", t=4),
+        _chat("f", "B", t=5, agent="own"),
+    ]
+    conv, _ = conversation_from_otel_spans(spans, agent_name="dflt")
+    assert conv.speakers == ("inner", "outer", "dflt", "own")
+
+
+@pytest.mark.parametrize("calls, match", [
+    (5, "tool calls must be a list of calls, got int"),
+    ("call it", "tool calls must be a list of calls, got str"),
+    ({"name": "f"}, "tool calls must be a list of calls, got dict"),
+    ([{"args": {}}], "tool call 0 has no name"),
+])
+def test_malformed_tool_calls_are_refused(calls, match):
+    with pytest.raises(ConversationError, match="message 1: .*" + match):
+        conversation_from_langgraph([{"type": "human", "content": "q"},
+                                     {"type": "ai", "content": "", "tool_calls": calls}])
+    with pytest.raises(ConversationError, match="message 1: .*" + match):
+        conversation_from_autogen([
+            {"type": "TextMessage", "source": "user", "content": "q"},
+            {"type": "ToolCallRequestEvent", "source": "a", "content": calls}])
+
+
+_json_leaf = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True),
+                       st.text(max_size=5))
+
+
+_json = st.recursive(_json_leaf, lambda c: st.one_of(
+    st.lists(c, max_size=3), st.dictionaries(st.sampled_from(
+        ["name", "type", "content", "span_id", "parent_id", "spanId", "attributes", "key",
+         "value", "tool_calls", "source", "spans", "resourceSpans", "scopeSpans",
+         "gen_ai.operation.name", "start_ns", "args", "function", "status"]), c, max_size=4)),
+    max_leaves=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=_json)
+def test_adapters_fuzz_raise_only_their_own_errors(data):
+    for adapter in (conversation_from_otel_spans, conversation_from_langgraph,
+                    conversation_from_autogen):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                adapter(data)
+        except (ConversationError, TypeError) as exc:
+            # TypeError only for input that is not a list/document at all
+            if isinstance(exc, TypeError):
+                assert not isinstance(data, list), exc

@@ -11,6 +11,7 @@ from skafa.llm import (
     extract_activations,
     shared_memory_cache,
 )
+from skafa.llm import _batching as batching
 from skafa.llm import _extraction as extraction
 from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
 
@@ -67,17 +68,17 @@ def test_dtype_spellings_share_cache_entries(model_dir):
 def test_auto_batches_follow_free_memory(model_dir, monkeypatch):
     convs = make_conversations(9, min_turns=1, max_turns=6, seed=2)
     one = TurnActivationTransformer(model_dir, memory_cache=False).fit_transform(convs)
-    monkeypatch.setattr(extraction, "_free_memory", lambda device: 8 * 2**30)
+    monkeypatch.setattr(batching, "_free_memory", lambda device: 8 * 2**30)
     big = TurnActivationTransformer(model_dir, memory_cache=False, batch_size="auto").fit(convs)
     np.testing.assert_allclose(big.transform(convs).values, one.values, rtol=1e-5, atol=1e-5)
     assert big.run_stats["n_forward_passes"] == 1  # 8 GiB holds every tiny conversation at once
     # With room for about two sequences, long ones run alone and short ones share.
     model = big._model
     layout = extraction.decoder_layout(model)
-    per_token, per_pair = extraction._activation_bytes(layout)
+    per_token, per_pair = batching._activation_bytes(layout)
     lengths = [len(big.prompt_.encode(c, big._tokenizer).input_ids) for c in convs]
     w = max(lengths)
-    monkeypatch.setattr(extraction, "_free_memory",
+    monkeypatch.setattr(batching, "_free_memory",
                         lambda device: 2.2 * (w * per_token + w * w * per_pair) / 0.8)
     small = TurnActivationTransformer(model_dir, memory_cache=False, batch_size="auto").fit(convs)
     np.testing.assert_allclose(small.transform(convs).values, one.values, rtol=1e-5, atol=1e-5)
@@ -86,7 +87,7 @@ def test_auto_batches_follow_free_memory(model_dir, monkeypatch):
 
 def test_auto_batch_size_refuses_a_conversation_that_alone_does_not_fit(model_dir, monkeypatch):
     convs = make_conversations(3, seed=3)
-    monkeypatch.setattr(extraction, "_free_memory", lambda device: 1000)
+    monkeypatch.setattr(batching, "_free_memory", lambda device: 1000)
     t = TurnActivationTransformer(model_dir, memory_cache=False, batch_size="auto").fit(convs)
     with pytest.raises(MemoryError, match=r"conversation \d \(task 'task-\d'.*tokens\) needs "
                                           r"about .* GiB"):
@@ -102,7 +103,7 @@ def test_out_of_memory_batch_is_split_and_retried(monkeypatch):
     pos = [np.array([0, n - 1]) for n in (5, 30, 17, 30, 2)]
     sites = ["resid_pre.1", "resid_final"]
     ref = extract_activations(model, ids, pos, sites)
-    monkeypatch.setattr(extraction, "_free_memory", lambda device: 8 * 2**30)
+    monkeypatch.setattr(batching, "_free_memory", lambda device: 8 * 2**30)
     run = extraction.SiteReader.run
     sizes = []
 
@@ -182,44 +183,3 @@ def test_estimate_cost_counts_the_tokens_of_the_read(model_dir, read):
     assert est["n_tokens_to_extract"] == sum(n_tokens)
     n_last = last.estimate_cost(convs, calibrate=False)["n_tokens_to_extract"]
     assert est["n_tokens_to_extract"] > n_last
-
-
-def test_quickstart_prints_a_plan_and_resumes_after_an_interrupt(model_dir, tmp_path,
-                                                                 monkeypatch, capsys):
-    import importlib.util
-    from pathlib import Path
-
-    from skafa.testing import write_who_and_when as _write_who_and_when
-
-    data = _write_who_and_when(tmp_path / "wnw", make_conversations(20, seed=8))
-    path = Path(__file__).resolve().parents[2] / "examples" / "quickstart.py"
-    spec = importlib.util.spec_from_file_location("skafa_quickstart_resume", path)
-    quickstart = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(quickstart)
-    argv = ["--data", str(data), "--model", model_dir, "--cache-dir", str(tmp_path / "cache"),
-            "--sites", "stride:2", "--n-resamples", "50"]
-    put = ActivationCache.put
-    calls = []
-
-    def put_then_interrupt(self, *args, **kwargs):
-        put(self, *args, **kwargs)
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(ActivationCache, "put", put_then_interrupt)
-    with pytest.raises(SystemExit) as stop:
-        quickstart.main(argv)
-    assert stop.value.code == 130
-    text = capsys.readouterr()
-    assert "extraction plan: all 7 sites of 20 conversations" in text.out
-    assert "20 of 20 conversations to extract (0 cached)" in text.out and "ETA" in text.out
-    assert "interrupted: 3 of 20 conversations are cached" in text.out
-    assert "skafa: extracting activations" in text.err  # the per-conversation progress bar
-    monkeypatch.setattr(ActivationCache, "put", put)
-    shared_memory_cache().clear()
-    out = quickstart.main(argv)
-    text = capsys.readouterr().out
-    assert "17 of 20 conversations to extract (3 cached)" in text
-    assert "17 forward passes" in text and "3 disk hits" in text
-    assert out["predictions"]["probe (skafa)"].shape == (20,)

@@ -5,6 +5,7 @@ import json
 import pickle
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -223,6 +224,48 @@ def test_model_identity(tmp_path, tiny_folder):
     assert a["fingerprint"]["architecture"] == "LlamaForCausalLM"
 
 
+def test_model_location():
+    register_model("loc-a", make_tiny_llama(seed=0), make_tiny_tokenizer())
+    assert models.model_location("loc-a") == "registered:loc-a"
+    assert models.model_location("org/model") == "org/model"
+
+
+def test_saved_extractor_names_both_places_when_the_model_under_its_name_changed(
+        tmp_path, monkeypatch):
+    """A probe saved with model='models/tiny' (relative) and loaded from another working
+    directory holding other weights there: the warning names both absolute places and
+    both weights digests (issue 33); the same place and weights load silently."""
+    from skafa.exceptions import ModelMismatchWarning
+    from skafa.llm import TurnActivationTransformer
+    from skafa.persistence import load, save
+    from skafa.testing import make_conversations
+
+    places = {}
+    for root, seed in (("a", 0), ("b", 1)):
+        folder = tmp_path / root / "models" / "tiny"
+        make_tiny_llama(seed=seed).save_pretrained(folder)
+        make_tiny_tokenizer().save_pretrained(folder)
+        places[root] = (str(folder.resolve()),
+                        model_identity(str(folder))["weights"]["model.safetensors"][:12])
+    monkeypatch.chdir(tmp_path / "a")
+    ext = TurnActivationTransformer("models/tiny", sites=["resid_final"],
+                                    memory_cache=False).fit(make_conversations(2))
+    save(ext, tmp_path / "saved")
+    doc = json.loads((tmp_path / "saved" / "skafa.json").read_text())
+    assert doc["models"][0]["model_location"] == places["a"][0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ModelMismatchWarning)
+        load(tmp_path / "saved")                      # same place, same weights
+    monkeypatch.chdir(tmp_path / "b")
+    with pytest.warns(ModelMismatchWarning) as record:
+        loaded = load(tmp_path / "saved")
+    message = " ".join(str(w.message) for w in record)
+    for place, digest in places.values():
+        assert place in message and digest in message
+    assert "weights differ" in message
+    assert loaded.model_identity_ == model_identity(str(tmp_path / "b" / "models" / "tiny"))
+
+
 # ------------------------------------------------------------------------ integration
 def _who_and_when():
     import os
@@ -307,3 +350,42 @@ def test_smollm2_plan_hand_crafted_fits(smollm2, capsys):
               f"max {p.n_tokens.max()} tokens, {p.total_chars_removed} of {total_chars} "
               f"turn characters removed "
               f"({100 * p.total_chars_removed / total_chars:.1f}%)")
+
+
+# ---------------------------------------------------------- bad dtype or device
+@pytest.fixture(scope="module")
+def tiny_model_name():
+    from skafa.llm import register_model, unregister_model
+    from skafa.testing import make_tiny_llama, make_tiny_tokenizer
+
+    name = "skafa-test-bad-input"
+    register_model(name, make_tiny_llama(), make_tiny_tokenizer(), overwrite=True)
+    yield name
+    unregister_model(name)
+
+
+@pytest.mark.parametrize("param, value, message", [
+    ("dtype", "int8", "dtype"), ("device", "banana", "device"),
+    ("dtype", "float64", "float32"),  # the registered model is float32
+])
+def test_bad_dtype_or_device_fails_at_fit(tiny_model_name, param, value, message):
+    from skafa import PromptedJudge, TurnActivationTransformer
+    from skafa.testing import make_conversations
+
+    convs = make_conversations(2)
+    for est in (TurnActivationTransformer(tiny_model_name, **{param: value}),
+                PromptedJudge(tiny_model_name, **{param: value})):
+        with pytest.raises(ValueError, match=message):
+            est.fit(convs)
+
+
+def test_bad_dtype_or_device_in_load_model(tiny_model_name):
+    from skafa.llm import load_model
+
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(tiny_model_name, dtype="int8")
+    with pytest.raises(ValueError, match="device"):
+        load_model(tiny_model_name, device="banana")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_model(tiny_model_name, dtype="float32", device="cpu")

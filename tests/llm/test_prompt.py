@@ -3,6 +3,9 @@
 import datetime as _dt
 import json
 import pickle
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import numpy as np
@@ -510,3 +513,127 @@ def test_tiny_models(factory, tok):
     assert torch.equal(a, b) and not torch.equal(a, c)
     bigger = factory(n_layers=3, hidden=48, n_heads=6, n_kv_heads=3, max_position_embeddings=64)
     assert bigger.config.num_hidden_layers == 3 and bigger.config.max_position_embeddings == 64
+
+
+# ------------------------------------------- odd task, answer and template text
+def test_transcript_shaped_expected_answer_does_not_move_turns(tok):
+    from skafa.llm import DEFAULT_INSTRUCTION, encode
+
+    conv = Conversation([Turn("a", "x"), Turn("b", "y")], task="t",
+                        expected_answer="Conversation:\n0 - a: x\n1 - b: y")
+    enc = encode(conv, tok)
+    start = enc.text.index("Conversation:\n0 - a: x\n1 - b: y\n\n" + DEFAULT_INSTRUCTION)
+    start += len("Conversation:\n")
+    assert enc.turn_char_spans.tolist() == [[start, start + 8], [start + 9, start + 17]]
+
+
+def test_transcript_shaped_task_without_headers(tok):
+    from skafa.llm import DEFAULT_INSTRUCTION, PromptTemplate, encode
+
+    conv = Conversation([Turn("a", "x"), Turn("b", "y")], task="0 - a: x\n1 - b: y",
+                        expected_answer="0 - a: x")
+    t = PromptTemplate(task_header="", history_header=None, answer_header="")
+    enc = encode(conv, tok, template=t)
+    start = enc.text.index("0 - a: x\n1 - b: y\n\n" + DEFAULT_INSTRUCTION)
+    assert enc.turn_char_spans.tolist() == [[start, start + 8], [start + 9, start + 17]]
+
+
+def test_trimming_chat_template_is_still_located(tok):
+    from skafa.llm import PromptTemplate, encode
+    from skafa.testing import make_tiny_tokenizer
+
+    t = make_tiny_tokenizer()
+    t.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                       "{{ m['content'] | trim }}<|im_end|>\n{% endfor %}")
+    conv = Conversation([Turn("a", "x"), Turn("b", "y")], task="  padded task",
+                        expected_answer="Conversation:\n0 - a: x")
+    enc = encode(conv, t, template=PromptTemplate(system_placement="user", system=" sys ",
+                                                  instruction=None))
+    start = enc.text.index("Conversation:\n0 - a: x\n1 - b: y<|im_end|>")
+    start += len("Conversation:\n")
+    assert enc.turn_char_spans.tolist() == [[start, start + 8], [start + 9, start + 17]]
+
+
+@pytest.mark.parametrize("field", ["task", "expected_answer", "speaker"])
+def test_special_tokens_outside_turn_content_warn(tok, field):
+    from skafa.llm import encode
+
+    special = "<|im_start|>"
+    speaker = f"b{special}" if field == "speaker" else "b"
+    kwargs = {field: f"x {special} y"} if field != "speaker" else {}
+    conv = Conversation([Turn("a", "x"), Turn(speaker, "y")], record_id="rs", **kwargs)
+    label = {"task": "task", "expected_answer": "expected answer",
+             "speaker": "turn 1 speaker"}[field]
+    with pytest.warns(UserWarning, match=rf"rs.*{label}.*special token"):
+        encode(conv, tok)
+
+
+# -------------------------------------- format strings and the character budget
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(turn_format="{i:>900000000} {content}"), "{i:>900000000}"),
+    (dict(turn_format="{speaker.__class__.__mro__} {content}"), "{speaker.__class__.__mro__}"),
+    (dict(turn_format="{speaker[0]} {content}"), "{speaker[0]}"),
+    (dict(turn_format="{speaker!r} {content}"), "{speaker!r}"),
+    (dict(marker=" [{n:09999}] "), "{n:09999}"),
+    (dict(marker=" [{}] "), "{}"),
+    (dict(recap_format="Step {i.real}"), "{i.real}"),
+    (dict(recap_format="Step {0}"), "{0}"),
+])
+def test_template_format_fields_are_plain(kwargs, field):
+    with pytest.raises(ValueError, match="not a valid format.*" + field.replace("{", r"\{")
+                       .replace("}", r"\}").replace("[", r"\[").replace("]", r"\]")
+                       .replace(".", r"\.").replace("!", "!")):
+        PromptTemplate(**kwargs)
+    with pytest.raises(ValueError, match="not a valid format"):
+        PromptTemplate.from_dict({**PromptTemplate().to_dict(), **kwargs})
+
+
+def _big_conversation(n_chars):
+    return Conversation([Turn("a", "hello"), Turn("b", "x" * n_chars), Turn("c", "bye")],
+                        task="t", task_id="T9", record_id="R9")
+
+
+def test_character_budget_checked_before_tokenizing():
+    from skafa.llm import encode, plan
+    from skafa.testing import make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer()
+    conv = _big_conversation(2_000_000)
+    with pytest.raises(PromptTooLongError, match=r"record 'R9'.*refused before tokenizing.*"
+                                                  r"turn 1 is the longest"):
+        encode(conv, tok, max_tokens=4096)
+    short = encode(conv, tok, template=PromptTemplate(shorten="middle_first",
+                                                      max_prompt_tokens=500))
+    assert short.n_tokens <= 500 and short.chars_removed[1] > 1_900_000
+    rows = plan([conv], tok, max_tokens=4096)
+    assert not rows[0]["fits"] and rows[0]["n_tokens"] > 4096
+
+
+_MEMORY_CAPPED = textwrap.dedent("""
+    import resource, sys
+    resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
+    from skafa import Conversation, Turn
+    from skafa.exceptions import PromptTooLongError
+    from skafa.llm import PromptTemplate, encode
+    from skafa.testing import make_tiny_tokenizer
+    tok = make_tiny_tokenizer()
+    conv = Conversation([Turn("a", "hi"), Turn("b", "y" * 50_000_000)], task="t",
+                        record_id="R50")
+    try:
+        encode(conv, tok)
+    except PromptTooLongError as exc:
+        assert "R50" in str(exc) and "turn 1" in str(exc), exc
+    else:
+        sys.exit("a 50 MB turn was tokenized")
+    enc = encode(conv, tok, template=PromptTemplate(shorten="head_tail", max_turn_chars=1000))
+    assert enc.n_tokens < 5000
+    print("ok")
+""")
+
+
+def test_50mb_turn_under_memory_cap():
+    if sys.platform != "linux":
+        pytest.skip("RLIMIT_AS is enforced on Linux")
+    done = subprocess.run([sys.executable, "-c", _MEMORY_CAPPED], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]

@@ -10,6 +10,7 @@ from sklearn.model_selection import GridSearchCV, GroupKFold, KFold, cross_valid
 from skafa import GroupedArgmaxClassifier, GroupedArgmaxLogisticClassifier, TurnFeatures
 from skafa.model_selection import SiteEnsemble, SiteSelector, site_sweep
 from skafa.testing import make_site_features
+from skafa.utils.estimator_checks import make_turn_features
 
 SITES = ("s0", "s1", "s2", "s3", "s4")
 
@@ -442,3 +443,30 @@ def test_param_grid_bad_candidates_are_refused(grid, match):
     with pytest.raises(ValueError, match=match):
         SiteSelector(GroupedArgmaxLogisticClassifier(), cv=GroupKFold(3),
                      param_grid=grid).fit(X, y)
+
+
+# ---------------------------------------------------- refit=False after a refit
+def test_refit_false_drops_the_previous_best_estimator():
+    X, y = make_turn_features(16, n_features=4)
+    sel = SiteSelector(GroupedArgmaxLogisticClassifier(), cv=GroupKFold(2)).fit(X, y)
+    assert sel.n_features_in_ == 4 and hasattr(sel, "refit_time_")
+    narrow, _ = make_turn_features(16, n_features=3)
+    sel.set_params(refit=False).fit(narrow, y)
+    assert not hasattr(sel, "best_estimator_")  # was the 4-feature model of the first fit
+    assert not hasattr(sel, "refit_time_")
+    assert not hasattr(sel, "n_features_in_")  # was 4, for data with 3 features
+    with pytest.raises(AttributeError, match="refit=False"):
+        sel.predict(narrow)
+    # refitting with refit=True brings them back, for the new data
+    assert sel.set_params(refit=True).fit(narrow, y).n_features_in_ == 3
+
+
+def test_more_sites_asked_than_compared_is_a_configuration_error():
+    """Issue 31: a bare ValueError the CLI reported as unexpected."""
+    from skafa.exceptions import ConfigurationError
+    from skafa.testing import make_site_features
+
+    X, y = make_site_features(30, n_sites=2, signal_site=1)[:2]
+    sel = SiteSelector(GroupedArgmaxLogisticClassifier(), n_sites=3, cv=GroupKFold(3))
+    with pytest.raises(ConfigurationError, match="averages the 3 best sites, but X holds only 2"):
+        sel.fit(X, y)

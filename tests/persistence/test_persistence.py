@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import re
 import sys
 import textwrap
@@ -170,6 +171,36 @@ def test_shared_objects_and_special_values_survive(features, tmp_path):
             assert loaded.cv_results_[key] == value
     assert loaded.scorer_(loaded.best_estimator_, X_tr.select_sites(loaded.best_site_),
                           y_tr) == sel.score(X_tr, y_tr)
+
+
+def test_reference_cycles_are_refused_on_save_and_load(tmp_path):
+    """A parameter value that contains itself: save refuses it, and a (re-signed) file
+    holding one is refused at load, naming both places: a loaded estimator would
+    otherwise end clone() in a RecursionError (issue 33). Shared values load as before."""
+    weights = {0: 1.0}
+    weights["again"] = weights
+    with pytest.raises(ValueError, match=r"'class_weight\.[^']+' is the object at "
+                                         r"'class_weight'.*reference cycle"):
+        save(GroupedArgmaxLogisticClassifier(class_weight=weights), tmp_path / "a")
+    loop = GroupedArgmaxClassifier()
+    loop.estimator = loop
+    with pytest.raises(ValueError, match="object at the root.*reference cycle"):
+        save(loop, tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    # a stranger's file: the cycle written by hand, the tree re-signed
+    shared = {0: 1.0, 1: 3.0}
+    save(GroupedArgmaxClassifier(GroupedArgmaxLogisticClassifier(class_weight=shared),
+                                 site=[shared]), tmp_path / "c")
+    assert "__ref__" in (tmp_path / "c" / JSON_NAME).read_text()   # the shared value
+    loaded = load(tmp_path / "c")
+    assert loaded.site[0] is loaded.estimator.class_weight == shared
+
+    def cycle(doc):
+        doc["tree"]["params"]["site"] = [{"__ref__": "site"}]
+    rewrite(tmp_path / "c", cycle)
+    with pytest.raises(ValueError, match=r"reference to 'site', which contains it: a "
+                                         r"reference cycle.*at 'site.0'"):
+        load(tmp_path / "c")
 
 
 def test_unfitted_estimator_roundtrip(tmp_path):
@@ -1007,3 +1038,60 @@ def test_state_cannot_set_persistence_declarations(features, tmp_path):
         with pytest.raises(ValueError, match=f"refusing to set attribute '{key}'"):
             load(path)
         rewrite(path, lambda doc: doc["tree"]["state"].pop(key))
+
+
+# ------------------------------------------- hostile files, runtime settings (issue 33)
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
+def test_saved_estimator_symlinked_to_dev_zero_is_refused(tmp_path):
+    from skafa.persistence import load
+
+    folder = tmp_path / "probe"
+    folder.mkdir()
+    (folder / "skafa.json").symlink_to("/dev/zero")
+    with pytest.raises(ValueError, match="not a regular file"):
+        load(folder)
+
+
+def test_load_takes_runtime_settings_from_the_caller(tmp_path):
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import Pipeline
+
+    from skafa.persistence import RUNTIME_PARAMS, load, save
+
+    assert {"cache_dir", "n_jobs", "device", "verbose"} <= set(RUNTIME_PARAMS)
+    X = np.random.default_rng(0).normal(size=(20, 3))
+    y = np.arange(20) % 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # sklearn 1.8: n_jobs has no effect
+        pipe = Pipeline([("lr", LogisticRegression(n_jobs=8, verbose=3))],
+                        verbose=True).fit(X, y)
+    path = save(pipe, tmp_path / "p")
+    loaded = load(path)
+    assert loaded.steps[0][1].n_jobs is None and loaded.steps[0][1].verbose == 0
+    assert loaded.verbose is False
+    again = load(path, n_jobs=2, verbose=1)
+    assert again.steps[0][1].n_jobs == 2 and again.steps[0][1].verbose == 1
+
+
+def test_loaded_extractor_writes_nowhere(tmp_path):
+    from skafa.llm import TurnActivationTransformer, register_model
+    from skafa.persistence import load, save
+    from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
+
+    register_model("hostile-tiny", make_tiny_llama(seed=0), make_tiny_tokenizer(),
+                   overwrite=True)
+    cache = tmp_path / "named-in-file"
+    X = make_conversations(3)
+    ext = TurnActivationTransformer("hostile-tiny", sites=["resid_final"],
+                                    cache_dir=str(cache), n_jobs=1).fit(X)
+    path = save(ext, tmp_path / "ext")
+    import shutil
+
+    shutil.rmtree(cache, ignore_errors=True)
+    loaded = load(path, verify_model=False)
+    assert loaded.cache_dir is None and loaded.n_jobs is None and loaded.device == "cpu"
+    loaded.transform(X)
+    assert not cache.exists()
+    own = tmp_path / "mine"
+    assert load(path, cache_dir=str(own), verify_model=False).cache_dir == str(own)
+

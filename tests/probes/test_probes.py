@@ -1,5 +1,9 @@
 """Tests for skafa.probes (grouped-argmax probes) and skafa.compose.PerTurn."""
 
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import numpy as np
@@ -17,6 +21,7 @@ from sklearn.svm import LinearSVC
 from skafa import (
     GroupedArgmaxClassifier,
     GroupedArgmaxLogisticClassifier,
+    GroupedSoftmaxClassifier,
     PerTurn,
     TurnFeatures,
 )
@@ -479,3 +484,146 @@ def test_per_turn_feature_names():
     assert pt.transform(X).feature_names == ("a", "b", "c")
     with pytest.raises(ValueError, match="length 3"):
         pt.get_feature_names_out(["x"])
+
+
+# ------------------------------------------- sparse: fit on the columns used
+def _spread_columns(dense, n_columns, columns):
+    """``dense`` (k columns) as a sparse matrix of ``n_columns`` with its columns at
+    ``columns``; every other column is empty."""
+    M = sp.csr_matrix(dense)
+    return sp.csr_matrix((M.data, np.asarray(columns)[M.indices], M.indptr),
+                         shape=(M.shape[0], n_columns))
+
+
+@pytest.mark.parametrize("probe", [GroupedArgmaxLogisticClassifier(),
+                                   GroupedArgmaxLogisticClassifier(standardize=False),
+                                   GroupedSoftmaxClassifier()])
+def test_sparse_fit_equals_the_full_width_fit(probe):
+    """Fitted on the columns that hold a value, the probe scores every turn as the
+    model fitted on all declared columns (an independent scikit-learn reference, or the
+    dense fit for the listwise probe), and its ``coef_`` is the full-width weights."""
+    X, y = make_planted(60, n_features=4, task_ids=False, seed=3)
+    dense = np.abs(X.values)
+    dense[dense < 0.7] = 0.0
+    columns = [2, 9, 31, 47]
+    wide = _spread_columns(dense, 50, columns)   # 46 of 50 columns empty
+    Xw = TurnFeatures(wide, X.offsets)
+    fitted = clone(probe).fit(Xw, y)
+    np.testing.assert_array_equal(fitted.active_features_, columns)
+    assert sp.issparse(fitted.coef_) and fitted.coef_.shape == (1, 50)
+    scores = np.concatenate(fitted.turn_decision_function(Xw))
+    if isinstance(probe, GroupedSoftmaxClassifier):
+        ref = GroupedSoftmaxClassifier(tol=1e-10).fit(TurnFeatures(wide.toarray(),
+                                                                   X.offsets), y)
+        fitted = GroupedSoftmaxClassifier(tol=1e-10).fit(Xw, y)
+        scores = np.concatenate(fitted.turn_decision_function(Xw))
+        ref_coef, ref_scores = ref.coef_, wide.toarray() @ ref.coef_.ravel()
+    else:
+        steps = [("l", LogisticRegression(class_weight="balanced", max_iter=1000))]
+        if probe.standardize:
+            steps.insert(0, ("s", StandardScaler(with_mean=False)))
+        labels = np.zeros(X.n_turns_total, dtype=int)
+        labels[X.global_turn_index(y)] = 1
+        ref = Pipeline(steps).fit(wide, labels)     # all 50 columns, as before the fix
+        ref_scores = ref.decision_function(wide)
+        ref_coef = ref[-1].coef_ / (ref[0].scale_ if probe.standardize else 1.0)
+        np.testing.assert_allclose(wide @ fitted.coef_.T.toarray().ravel()
+                                   + fitted.intercept_[0], ref_scores, rtol=1e-5,
+                                   atol=1e-6)
+    np.testing.assert_allclose(scores, ref_scores, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(fitted.coef_.toarray(), ref_coef, rtol=1e-4, atol=1e-6)
+    np.testing.assert_array_equal(fitted.predict(Xw),
+                                  [int(np.argmax(s)) for s in X.split_rows(ref_scores)])
+    # prediction on features holding values in columns never seen in training:
+    # those columns have weight zero
+    extra = wide.tolil()
+    extra[:, 5] = 7.0
+    np.testing.assert_allclose(np.concatenate(fitted.turn_decision_function(
+        TurnFeatures(extra.tocsr(), X.offsets))), scores, rtol=1e-10, atol=1e-12)
+    # dense input is fitted as before: every column, a dense coef_
+    assert not sp.issparse(clone(probe).fit(TurnFeatures(dense, X.offsets), y).coef_)
+
+
+_HUGE_SPARSE = textwrap.dedent("""
+    import resource, sys, tracemalloc
+    resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
+    import numpy as np, scipy.sparse as sp
+    from skafa import TurnFeatures
+    from skafa.persistence import load, save
+    from skafa.probes import GroupedArgmaxLogisticClassifier, GroupedSoftmaxClassifier
+    rng = np.random.default_rng(0)
+    offsets = np.arange(0, 121, 4)
+    y = rng.integers(0, 4, size=30)
+    dense = rng.random((120, 4)) * (rng.random((120, 4)) < 0.5)
+    dense[offsets[:-1] + y, 0] += 3.0
+    n_columns = 67_108_864                 # the most a TurnFeatures may declare
+    columns = np.array([3, 1000, 2**25, n_columns - 1])
+    M = sp.csr_matrix(dense)
+    X = TurnFeatures(sp.csr_matrix((M.data, columns[M.indices], M.indptr),
+                                   shape=(120, n_columns)), offsets)
+    small = TurnFeatures(sp.csr_matrix(dense), offsets)
+    for cls in (GroupedArgmaxLogisticClassifier, GroupedSoftmaxClassifier):
+        tracemalloc.start()
+        probe = cls().fit(X, y)
+        scores = np.concatenate(probe.turn_decision_function(X))
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < 64 * 2**20, (cls.__name__, peak)
+        assert probe.coef_.shape == (1, n_columns) and probe.coef_.nnz == 4
+        ref = cls().fit(small, y)          # the same features without the empty columns
+        np.testing.assert_allclose(scores, np.concatenate(ref.turn_decision_function(small)),
+                                   rtol=1e-6, atol=1e-9)
+        assert (probe.predict(X) == ref.predict(small)).all()
+        save(probe, sys.argv[1] + "/" + cls.__name__)
+        again = load(sys.argv[1] + "/" + cls.__name__)
+        assert (again.predict(X) == probe.predict(X)).all()
+    print("ok")
+""")
+
+
+def test_huge_declared_sparse_width_allocates_by_the_columns_used(tmp_path):
+    """67,108,864 declared columns holding 4 used ones: fit, predict, save and load
+    stay under a 3 GiB address-space cap and a 64 MiB traced peak (before: 20 GB)."""
+    if sys.platform != "linux":
+        pytest.skip("RLIMIT_AS is enforced on Linux")
+    done = subprocess.run([sys.executable, "-c", _HUGE_SPARSE, str(tmp_path)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                               "OPENBLAS_NUM_THREADS": "1"})
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+# ------------------------------------------------------- clone and reference cycles
+def test_clone_names_a_parameter_that_contains_itself():
+    """scikit-learn's clone recurses without end on a cyclic parameter value; the probes
+    refuse it with a ValueError naming the parameter (issue 33)."""
+    weights = {0: 1.0}
+    weights["again"] = weights
+    with pytest.raises(ValueError, match=r"class_weight\['again'\] is class_weight itself"):
+        clone(GroupedArgmaxLogisticClassifier(class_weight=weights))
+    loop = GroupedArgmaxClassifier()
+    loop.estimator = loop
+    with pytest.raises(ValueError, match="estimator is the GroupedArgmaxClassifier itself"):
+        clone(loop)
+    inner = [1]
+    nested = GroupedArgmaxClassifier(GroupedSoftmaxClassifier(site=[inner, [inner]]))
+    with pytest.raises(ValueError, match="reference cycle") as info:
+        nested.estimator.site.append(nested.estimator.site)
+        clone(nested)
+    assert "estimator.site[2] is estimator.site itself" in str(info.value)
+    # shared values that form no cycle, and deep acyclic ones, clone as before
+    shared = {0: 1.0, 1: 3.0}
+    deep = GroupedArgmaxClassifier(GroupedArgmaxLogisticClassifier(class_weight=shared),
+                                   site=[shared, shared])
+    twin = clone(deep)
+    assert twin.estimator.class_weight == shared and twin.site == [shared, shared]
+
+
+@pytest.mark.parametrize("cls", [GroupedArgmaxLogisticClassifier, GroupedSoftmaxClassifier])
+def test_sparse_features_without_any_value_still_fit(cls):
+    """No column holds a value: the probe fits (all weights zero) as before the
+    compaction, and predicts the earliest turn."""
+    X = TurnFeatures(sp.csr_matrix((12, 1000)), np.arange(0, 13, 3))
+    probe = cls().fit(X, [0, 1, 2, 0])
+    assert probe.coef_.shape == (1, 1000) and not probe.coef_.toarray().any()
+    assert probe.predict(X).tolist() == [0, 0, 0, 0]

@@ -194,7 +194,11 @@ def test_sparse_and_dense_agree():
     dense = GroupedSoftmaxClassifier(tol=1e-10).fit(X, y)
     Xs = TurnFeatures(sp.csr_matrix(X.values), X.offsets)
     sparse = GroupedSoftmaxClassifier(tol=1e-10).fit(Xs, y)
-    np.testing.assert_allclose(dense.coef_, sparse.coef_, rtol=1e-6, atol=1e-9)
+    assert sp.issparse(sparse.coef_) and sparse.coef_.shape == dense.coef_.shape
+    np.testing.assert_allclose(dense.coef_, sparse.coef_.toarray(), rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(np.concatenate(dense.turn_decision_function(X)),
+                               np.concatenate(sparse.turn_decision_function(Xs)),
+                               rtol=1e-6, atol=1e-9)
 
 
 def test_convergence_warning_and_n_iter():

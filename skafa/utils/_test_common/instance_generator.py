@@ -11,6 +11,7 @@ build with ``cls()`` gets an entry here.
 from skafa import (
     AttributionPipeline,
     FailureAttributor,
+    GraftedJudge,
     GroupedArgmaxLogisticClassifier,
     OnlineAuditor,
     PerTurn,
@@ -106,6 +107,13 @@ def _prompted_judge():
     ]
 
 
+def _grafted_judge():
+    from skafa.testing import register_tiny_model
+
+    # small grids: one fit ranks the heads and compares two pairs on two inner folds
+    return [GraftedJudge(register_tiny_model(), locator_grid=(1,), writer_grid=(0, 1), cv=2)]
+
+
 def _turn_score_stacker():
     from sklearn.model_selection import GroupKFold
 
@@ -164,6 +172,7 @@ INSTANCE_FACTORIES = {
     "FailureAttributor": _failure_attributor,
     "OnlineAuditor": _online_auditor,
     "PromptedJudge": _prompted_judge,
+    "GraftedJudge": _grafted_judge,
     "TurnScoreStacker": _turn_score_stacker,
     "SiteSelector": _site_selector,
     "SiteEnsemble": _site_ensemble,

@@ -1,0 +1,75 @@
+"""Locator heads and grafting on Who&When: the pre-registered comparison (docs/benchmarks.md §8).
+
+The rows (locator-head probe, top locator head, grafted judge, prompted judge, the
+recommended probe, position-only, TF-IDF, most frequent), the inner-fold choices and
+the questions are fixed in docs/benchmarks.md §8; the logic lives in
+:mod:`skafa.benchmarks` (``run_locator_benchmark``).
+
+Usage (from the repository root)::
+
+    python examples/benchmark_locators.py --model smollm2 --subset Algorithm-Generated
+    python examples/benchmark_locators.py --smoke          # tiny random model, seconds
+
+Results: ``--out`` (default ``docs/results``) gets ``locators_<tag>_<subset>.json`` and
+``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from pathlib import Path
+
+from skafa import load_who_and_when
+from skafa.benchmarks import LOCATOR_ROWS, LocatorBenchmarkSettings, run_locator_benchmark
+
+REPO = Path(__file__).resolve().parents[1]
+log = functools.partial(print, flush=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default=os.environ.get(
+        "SKAFA_WHO_AND_WHEN", str(REPO.parent / "shared" / "data" / "who_and_when")))
+    p.add_argument("--subset", default="Algorithm-Generated",
+                   choices=("Algorithm-Generated", "Hand-Crafted"))
+    p.add_argument("--model", default="smollm2", help="short name, .gguf file or folder")
+    p.add_argument("--tag", default=None, help="name in result files (default: model stem)")
+    p.add_argument("--cache-dir", default=None, help="activation cache (resumable)")
+    p.add_argument("--out", default="docs/results")
+    p.add_argument("--max-prompt-tokens", type=int, default=8192)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--rows", default=",".join(LOCATOR_ROWS),
+                   help="rows to run (leaving one out is a deviation, named in the result)")
+    p.add_argument("--n-resamples", type=int, default=2000)
+    p.add_argument("--smoke", action="store_true",
+                   help="a tiny random model on 20 synthetic records: checks the wiring only")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    settings = LocatorBenchmarkSettings(
+        model=args.model, tag=args.tag, subset=args.subset, cache_dir=args.cache_dir,
+        out=args.out, max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype,
+        rows=[r.strip() for r in args.rows.split(",") if r.strip()],
+        n_resamples=args.n_resamples, command=" ".join(["python"] + sys.argv))
+    if args.smoke:
+        from skafa.llm import register_model
+        from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer
+
+        register_model("locators-smoke", make_tiny_llama(n_layers=7), make_tiny_tokenizer(),
+                       overwrite=True)
+        settings.model, settings.smoke, settings.n_resamples = "locators-smoke", True, 200
+        settings.folds, settings.inner_folds, settings.repeats = 2, 2, 1
+        convs = make_conversations(20, seed=0)
+    else:
+        convs = load_who_and_when(args.data, subset=args.subset).conversations
+    return run_locator_benchmark(settings, convs, log=log)
+
+
+if __name__ == "__main__":
+    main()

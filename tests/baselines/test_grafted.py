@@ -1,0 +1,285 @@
+"""Tests of skafa.baselines.GraftedJudge and head_direct_effects (tiny random models)."""
+
+import numpy as np
+import pytest
+import torch
+from sklearn.base import clone
+from sklearn.model_selection import GridSearchCV, GroupKFold
+
+from skafa.baselines import GraftedJudge, PromptedJudge, head_direct_effects
+from skafa.baselines._judge import answer_token_plan, number_continuation_mask
+from skafa.llm import (
+    PromptTemplate,
+    decoder_layout,
+    head_attention_rows,
+    load_model,
+    register_model,
+)
+from skafa.testing import (
+    make_conversations,
+    make_tiny_gemma3,
+    make_tiny_llama,
+    make_tiny_qwen2,
+    make_tiny_tokenizer,
+)
+
+LLAMA = "skafa-test-graft-llama"
+QWEN = "skafa-test-graft-qwen2"
+GEMMA3 = "skafa-test-graft-gemma3"
+
+
+def _sharpen(model, scale=30.0):
+    """Sharp attention (a fresh model attends almost uniformly, hiding wrong masks)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(scale)
+            layer.self_attn.k_proj.weight.mul_(scale)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = make_tiny_tokenizer()
+    register_model(LLAMA, _sharpen(make_tiny_llama(max_position_embeddings=4096, seed=3)),
+                   tok, overwrite=True)  # eager attention
+    qwen = _sharpen(make_tiny_qwen2(max_position_embeddings=4096, seed=4))
+    qwen.set_attn_implementation("sdpa")
+    register_model(QWEN, qwen, tok, overwrite=True)
+    gemma3 = _sharpen(make_tiny_gemma3(max_position_embeddings=4096, seed=6, n_layers=3,
+                                       sliding_window=8))
+    gemma3.set_attn_implementation("sdpa")  # sliding-window layers, sandwich norms
+    register_model(GEMMA3, gemma3, tok, overwrite=True)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def convs():
+    return make_conversations(8, min_turns=2, max_turns=6, seed=7)
+
+
+def _steps(convs):
+    return np.array([c.mistake_step for c in convs])
+
+
+def _fixed(name, convs, locators, writers, *, mix=1.0, batch_size=1):
+    """A judge fitted with one pair, then given these heads (a chosen graft)."""
+    judge = GraftedJudge(name, locator_grid=(len(locators),), writer_grid=(len(writers),),
+                         mix=mix, batch_size=batch_size).fit(convs)
+    judge.locator_heads_ = list(locators)
+    judge.writer_heads_ = list(writers)
+    return judge
+
+
+def _same(a, b):
+    return all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+# ----------------------------------------------------------------------------- inactive graft
+@pytest.mark.parametrize("name", [LLAMA, GEMMA3])
+def test_no_graft_equals_the_prompted_judge_exactly(tiny, convs, name):
+    convs = convs[:5]
+    plain = PromptedJudge(name, batch_size=3).fit(convs)
+    ref = plain.turn_decision_function(convs)
+    judges = [GraftedJudge(name, locator_grid=(2,), writer_grid=(2,), mix=0.0, batch_size=3),
+              GraftedJudge(name, locator_grid=(0,), writer_grid=(2,), batch_size=3),
+              GraftedJudge(name, locator_grid=(1,), writer_grid=(0,), batch_size=3)]
+    for judge in judges:
+        judge.fit(convs)
+        assert not judge._grafting()
+        assert _same(judge.turn_decision_function(convs), ref)
+    np.testing.assert_array_equal(judges[0].predict(convs), plain.predict(convs))
+    assert _same(judges[0].turn_predict_proba(convs), plain.turn_predict_proba(convs))
+
+
+@pytest.mark.parametrize("name", [LLAMA, QWEN, GEMMA3])
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_writer_grafted_onto_itself_changes_nothing(tiny, convs, name, batch_size):
+    # the writer's new attention is its own: the output is recomputed as weights @ V
+    # through the override, so positions, padding and batching are all exercised
+    plain = PromptedJudge(name, batch_size=batch_size).fit(convs).turn_decision_function(convs)
+    for mix in (1.0, 0.4):
+        judge = _fixed(name, convs, [(1, 2)], [(1, 2)], mix=mix, batch_size=batch_size)
+        assert judge._grafting()
+        for got, ref in zip(judge.turn_decision_function(convs), plain):
+            np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+
+
+def test_the_graft_changes_the_output_only_while_active(tiny, convs):
+    plain = PromptedJudge(LLAMA).fit(convs)
+    before = plain.turn_decision_function(convs)
+    grafted = _fixed(LLAMA, convs, [(0, 2), (1, 1)], [(1, 0), (1, 3)])
+    after = grafted.turn_decision_function(convs)
+    assert max(np.abs(a - b).max() for a, b in zip(after, before)) > 1e-2
+    # the graft lives inside the call: the model answers as before afterwards
+    assert _same(plain.turn_decision_function(convs), before)
+    # and it is deterministic
+    assert _same(grafted.turn_decision_function(convs), after)
+
+
+# ----------------------------------------------------------------------------- reference
+def _full_sequence_scores(name, tok, judge, conv, locators, writers, mix):
+    """Graft by hand: one full forward per candidate (no cache, no packing, no padding)."""
+    model, _ = load_model(name)
+    enc = judge.prompt_.encode(conv, tok)
+    shared, conts = answer_token_plan(tok, judge.answer_prefix, len(conv))
+    prefix = list(enc.input_ids) + list(shared)
+    answer = len(prefix) - 1
+    with torch.no_grad(), head_attention_rows(model, [answer]) as rows:
+        model(input_ids=torch.tensor([prefix]), use_cache=False)
+    own = {layer: rows.weights[layer][0, :, 0].double().numpy() for layer in rows.weights}
+    located = np.mean([own[lay][h] for lay, h in locators], axis=0)
+    ends = torch.as_tensor(~number_continuation_mask(
+        tok, model.get_output_embeddings().weight.shape[0]))
+    out = []
+    for cont in conts:
+        ids = prefix + list(cont)
+        override = {}
+        for lay, h in writers:
+            w = np.zeros((1, len(ids)))
+            w[0, :len(prefix)] = mix * located + (1 - mix) * own[lay][h]
+            override[(lay, h)] = torch.tensor(w, dtype=torch.float32)
+        with torch.no_grad(), head_attention_rows(model, [answer], override=override):
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].double()
+        logp = torch.log_softmax(logits, -1)
+        total = sum(float(logp[p - 1, ids[p]]) for p in range(len(prefix), len(ids)))
+        last = logits[-1]
+        total += float(torch.logsumexp(last[ends], 0) - torch.logsumexp(last, 0))
+        out.append(total)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("name", [LLAMA, QWEN, GEMMA3])
+def test_grafted_scores_match_a_full_sequence_reference(tiny, convs, name):
+    locators, writers, mix = [(0, 1), (1, 3)], [(1, 0), (0, 2)], 0.7
+    judge = _fixed(name, convs, locators, writers, mix=mix, batch_size=3)
+    scores = judge.turn_decision_function(convs)
+    for conv, got in zip(convs, scores):
+        ref = _full_sequence_scores(name, tiny, judge, conv, locators, writers, mix)
+        np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+
+
+# ----------------------------------------------------------------------------- ranking
+def test_locator_scores_are_the_mean_mass_on_the_decisive_turn(tiny, convs):
+    judge = GraftedJudge(LLAMA, locator_grid=(2,), writer_grid=(3,)).fit(convs)
+    model, tok = load_model(LLAMA)  # eager: output_attentions is the reference
+    y = _steps(convs)
+    mass = []
+    for conv, step in zip(convs, y):
+        enc = judge.prompt_.encode(conv, tok)
+        shared, _ = answer_token_plan(tok, judge.answer_prefix, len(conv))
+        ids = list(enc.input_ids) + list(shared)
+        with torch.no_grad():
+            att = model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
+        a, b = int(enc.turn_start_positions[step]), int(enc.turn_positions[step]) + 1
+        mass.append([[float(layer[0, h, -1, a:b].sum()) for h in range(layer.shape[1])]
+                     for layer in att])
+    np.testing.assert_allclose(judge.head_locator_scores_, np.mean(mass, axis=0), atol=1e-5)
+    assert judge.head_locator_scores_.shape == (judge.n_layers_, judge.n_heads_) == (2, 4)
+    order = np.argsort(-judge.head_locator_scores_.ravel(), kind="stable")[:2]
+    assert judge.locator_heads_ == [(int(i // 4), int(i % 4)) for i in order]
+    order = np.argsort(-judge.head_writer_scores_.ravel(), kind="stable")[:3]
+    assert judge.writer_heads_ == [(int(i // 4), int(i % 4)) for i in order]
+    assert judge.n_locators_ == 2 and judge.n_writers_ == 3 and judge.cv_results_ is None
+
+
+@pytest.mark.parametrize("name", [LLAMA, GEMMA3])
+def test_direct_effects_of_a_layer_sum_to_its_attention_output(tiny, convs, name):
+    # per-head effects split the layer's attention output through o_proj exactly; with
+    # the norms' scales fixed, their sum is the attention output's own direct effect
+    model, tok = load_model(name)
+    layout = decoder_layout(model)
+    prefix = list(PromptTemplate().encode(convs[0], tok).input_ids)
+    tokens = [5, 17, 40]
+    effects = head_direct_effects(model, prefix, tokens)
+    assert effects.shape == (layout.n_layers, 4, 3) and effects.dtype == np.float32
+    seen = {}
+    hooks = [layout.final_norm.register_forward_pre_hook(
+        lambda m, a: seen.__setitem__("x", a[0][0, -1].double()))]
+    for i, layer in enumerate(layout.layers):
+        out_module = (layer.post_attention_layernorm if layout.family == "sandwich-norm"
+                      else layer.self_attn.o_proj)
+        hooks.append(out_module.register_forward_hook(
+            lambda m, a, o, i=i: seen.__setitem__(i, o[0, -1].double())))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([prefix]), use_cache=False)
+    for h in hooks:
+        h.remove()
+    norm = layout.final_norm
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    weight = norm.weight.double() + (1.0 if layout.family == "sandwich-norm" else 0.0)
+    rms = torch.sqrt(seen["x"].pow(2).mean() + eps)
+    unembed = model.get_output_embeddings().weight.double()[tokens]
+    for i in range(layout.n_layers):
+        expected = unembed @ (weight * seen[i] / rms)
+        np.testing.assert_allclose(effects[i].sum(0), expected.numpy(), rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- selection
+def test_inner_folds_choose_the_best_pair(tiny, convs):
+    groups = [c.task_id for c in convs]
+    judge = GraftedJudge(LLAMA, locator_grid=(1, 2), writer_grid=(0, 1), cv=2)
+    judge.fit(convs, groups=groups)
+    res = judge.cv_results_
+    assert res["params"] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert res["split_test_scores"].shape == (4, 2)
+    best = max(range(4), key=lambda k: (res["mean_test_score"][k], -sum(res["params"][k]),
+                                        -res["params"][k][0]))
+    assert (judge.n_locators_, judge.n_writers_) == res["params"][best]
+    assert len(judge.locator_heads_) == judge.n_locators_
+    assert len(judge.writer_heads_) == judge.n_writers_
+    # (n, 0) is the plain judge: its inner score is the prompted judge's on those folds
+    plain = PromptedJudge(LLAMA).fit(convs)
+    hits = plain.predict(convs) == _steps(convs)
+    for fold, (_, test) in enumerate(GroupKFold(2).split(convs, groups=groups)):
+        assert res["split_test_scores"][0, fold] == pytest.approx(hits[test].mean())
+    # a splitter object and explicit groups give the same choice
+    again = GraftedJudge(LLAMA, locator_grid=(1, 2), writer_grid=(0, 1), cv=GroupKFold(2))
+    again.fit(convs, groups=groups)
+    np.testing.assert_array_equal(again.cv_results_["mean_test_score"], res["mean_test_score"])
+
+
+def test_clone_and_grid_search_with_group_kfold(tiny, convs):
+    judge = GraftedJudge(LLAMA, locator_grid=(1,), writer_grid=(1,))
+    assert clone(judge).get_params() == judge.get_params()
+    search = GridSearchCV(judge, {"mix": [0.0, 1.0], "writer_grid": [(1,), (2,)]},
+                          cv=GroupKFold(2)).fit(convs, _steps(convs),
+                                                groups=[c.task_id for c in convs])
+    assert search.cv_results_["mean_test_score"].shape == (4,)
+    assert isinstance(search.best_estimator_, GraftedJudge)
+    assert search.best_estimator_.predict(convs).shape == (len(convs),)
+
+
+def test_save_load_round_trip(tiny, convs, tmp_path):
+    from skafa.persistence import load, save
+
+    judge = GraftedJudge(LLAMA, locator_grid=(1, 2), writer_grid=(1,), mix=0.8, cv=2)
+    judge.fit(convs)
+    save(judge, tmp_path / "judge")
+    again = load(tmp_path / "judge")
+    assert type(again) is GraftedJudge and again.get_params() == judge.get_params()
+    assert again.locator_heads_ == judge.locator_heads_
+    assert again.writer_heads_ == judge.writer_heads_
+    np.testing.assert_array_equal(again.head_writer_scores_, judge.head_writer_scores_)
+    assert _same(again.turn_decision_function(convs), judge.turn_decision_function(convs))
+    np.testing.assert_array_equal(again.predict(convs), judge.predict(convs))
+
+
+def test_predict_agent_score_and_validation(tiny, convs):
+    judge = GraftedJudge(LLAMA, locator_grid=(1,), writer_grid=(1,)).fit(convs)
+    pred = judge.predict(convs)
+    assert list(judge.predict_agent(convs)) == [c.turns[p].speaker
+                                                for c, p in zip(convs, pred)]
+    assert judge.score(convs) == pytest.approx(np.mean(pred == _steps(convs)))
+    with pytest.raises(TypeError, match="sample_weight"):
+        judge.score(convs, sample_weight=np.ones(len(convs)))
+    with pytest.raises(ValueError, match="locator_grid"):
+        GraftedJudge(LLAMA, locator_grid=()).fit(convs)
+    with pytest.raises(ValueError, match="writer_grid"):
+        GraftedJudge(LLAMA, writer_grid=(1, -1)).fit(convs)
+    with pytest.raises(ValueError, match="mix"):
+        GraftedJudge(LLAMA, mix=1.5).fit(convs)
+    with pytest.raises(ValueError, match="at least 2 groups"):
+        GraftedJudge(LLAMA, writer_grid=(1, 2)).fit(convs, groups=[0] * len(convs))
+    unlabelled = make_conversations(3, seed=1, labelled=False)
+    with pytest.raises(ValueError, match="GraftedJudge"):
+        GraftedJudge(LLAMA).fit(unlabelled)
