@@ -243,6 +243,28 @@ def _as_str_tuple(values, name):
     return tuple(str(v) for v in values)
 
 
+def _numeric_values(values):
+    """Object, string or complex feature values as float64, or an error naming the entry."""
+    if values.dtype.kind == "c":
+        raise ValueError("values are complex; features must be real numbers.")
+    try:
+        return values.astype(np.float64)
+    except (TypeError, ValueError):
+        pass
+    for index in np.ndindex(values.shape):
+        try:
+            float(values[index])
+        except (TypeError, ValueError):
+            where = f"turn row {index[0]}, " + (
+                f"site block {index[1]}, feature {index[2]}" if values.ndim == 3
+                else f"feature {index[1]}")
+            raise ValueError(
+                f"values[{', '.join(map(str, index))}] ({where}) is "
+                f"{values[index]!r} ({type(values[index]).__name__}), not a number; features "
+                f"must be numeric (values has dtype {values.dtype}).") from None
+    return values.astype(np.float64)  # pragma: no cover - every entry converted
+
+
 class TurnFeatures:
     """Per-turn features of a set of conversations (ragged, CSR-like).
 
@@ -307,6 +329,8 @@ class TurnFeatures:
                     "values must be 2-D (n_turns_total, n_features) or 3-D "
                     f"(n_turns_total, n_sites, n_features); got shape {values.shape}."
                 )
+            if values.dtype.kind not in "biuf":
+                values = _numeric_values(values)
         offsets = np.asarray(offsets)
         if offsets.ndim != 1 or offsets.size < 1:
             raise ValueError(

@@ -943,3 +943,13 @@ def test_empty_turn_features_at_prediction():
     for est in (probe, dummy):
         with pytest.raises(ValueError, match="0 conversations"):
             est.predict(empty)
+
+
+def test_non_numeric_values_are_refused_naming_the_entry():
+    """Issue 33: object-dtype features failed deep inside a probe without naming them."""
+    with pytest.raises(ValueError, match=r"values\[1, 1\] \(turn row 1, feature 1\) is 'b'"):
+        TurnFeatures(np.array([[1, 2.0], [2, "b"], [3, 4]], dtype=object), [0, 2, 3])
+    with pytest.raises(ValueError, match="complex"):
+        TurnFeatures(np.ones((3, 2), dtype=complex), [0, 2, 3])
+    ok = TurnFeatures(np.array([[1, 2.0], [2, "3"], [3, 4]], dtype=object), [0, 2, 3])
+    assert ok.values.dtype == np.float64 and ok.values[1, 1] == 3.0

@@ -47,7 +47,7 @@ from ..utils.sklearn_compat import (
     routing_enabled,
     safe_indexing,
 )
-from ..utils.validation import check_steps, group_labels
+from ..utils.validation import check_groups, check_steps, group_labels
 
 __all__ = ["SiteSelector", "SiteEnsemble", "site_sweep"]
 
@@ -143,6 +143,8 @@ def grouped_splits(cv, X, y, split_params, task_ids):
     a splitter that still lacks groups gets an error saying how to give them.
     """
     split_params = dict(split_params)
+    if split_params.get("groups") is not None:
+        split_params["groups"] = check_groups(split_params["groups"], len(y))
     if (split_params.get("groups") is None and task_ids is not None
             and not _ignores_groups(cv) and all(t is not None for t in task_ids)):
         split_params["groups"] = group_labels(task_ids)

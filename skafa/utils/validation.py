@@ -31,6 +31,7 @@ __all__ = [
     "check_int",
     "task_ids_of",
     "group_labels",
+    "check_groups",
     "check_task_id",
     "labels_from_conversations",
     "reference_cycle",
@@ -148,6 +149,49 @@ def group_labels(ids):
     seen = {}
     return np.asarray([seen.setdefault((isinstance(t, str), t), len(seen)) for t in ids],
                       dtype=np.int64)
+
+
+def check_groups(groups, n_samples=None):
+    """Validate ``groups`` for a grouped splitter: one id per conversation, none missing.
+
+    Parameters
+    ----------
+    groups : array-like of shape (n_samples,)
+        Task ids (str or int; a mix is kept apart, see :func:`group_labels`).
+    n_samples : int, optional
+        The number of conversations ``groups`` must match.
+
+    Returns
+    -------
+    groups : ndarray
+        :func:`group_labels` of ``groups``.
+
+    Raises
+    ------
+    ValueError
+        Naming the first missing (None or NaN) entry, or the length mismatch.
+
+    Examples
+    --------
+    >>> check_groups(["a", "b", "a"]).tolist()
+    ['a', 'b', 'a']
+    >>> check_groups(["a", None])
+    Traceback (most recent call last):
+    ...
+    ValueError: groups[1] is None: every conversation needs a group (its task id); ...
+    """
+    values = list(np.asarray(groups, dtype=object).ravel()) if not isinstance(
+        groups, (list, tuple)) else list(groups)
+    if n_samples is not None and len(values) != int(n_samples):
+        raise ValueError(f"groups has {len(values)} entries for {int(n_samples)} "
+                         "conversations; give one group (task id) per conversation.")
+    for i, g in enumerate(values):
+        if g is None or (isinstance(g, float) and g != g):
+            raise ValueError(
+                f"groups[{i}] is {g!r}: every conversation needs a group (its task id); "
+                "give the missing ones an id of their own, or use an ungrouped splitter "
+                "such as KFold.")
+    return group_labels(values)
 
 
 def _describe_default(i):

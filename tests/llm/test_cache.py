@@ -437,3 +437,24 @@ def test_cache_fuzz_leaves_a_working_cache():
     out = ActivationCache(_CACHE_DIR, memory=False).get(CACHE_KEY, CACHE_SITES, n_turns=5,
                                                         hidden_size=8)
     np.testing.assert_array_equal(out, CACHE_VALUES)
+
+
+def test_activation_keys_are_pinned():
+    """A key that changes silently throws away every cache written before (hours of
+    extraction for a large reader): these values were computed on 2026-12-05 and
+    must only change with a deliberate format bump."""
+    from skafa import Conversation
+    from skafa.llm._cache import activation_key
+
+    conv = Conversation.from_dict({"task": "t", "expected_answer": "a", "turns": [
+        {"speaker": "alice", "content": "hi"}, {"speaker": "bob", "content": "ok"}]})
+    kw = dict(model_identity={"kind": "file", "sha256": "ab" * 32},
+              model_fingerprint={"arch": "LlamaForCausalLM", "n_layers": 2},
+              dtype="float32", prompt_fingerprint="p" * 16, chat_template_kwargs=None,
+              conversation=conv, tokenizer_fingerprint="tok", template_date=None)
+    assert activation_key(read="last", **kw) == (
+        "3e0a136b5e75d6b2f0ca7b66bfde84647660028a6cbf3aff90a3c1c4614ea621")
+    assert activation_key(read="echo", **kw) == (
+        "4cb8d881a5a92c131c942a077bfec8acec5f5a36086ff979330e657c11b1452f")
+    assert activation_key(read="last", site_kind="head_attn", **kw) == (
+        "889c4a28a08b42c2f047d76379ac9b3f419905afa3e4449ea30b031ea3877188")

@@ -470,3 +470,18 @@ def test_more_sites_asked_than_compared_is_a_configuration_error():
     sel = SiteSelector(GroupedArgmaxLogisticClassifier(), n_sites=3, cv=GroupKFold(3))
     with pytest.raises(ConfigurationError, match="averages the 3 best sites, but X holds only 2"):
         sel.fit(X, y)
+
+
+def test_groups_with_a_missing_entry_are_named():
+    """Issue 33: groups holding None failed with a bare TypeError from sorting."""
+    from skafa.testing import make_site_features
+
+    X, y = make_site_features(30, n_sites=2, signal_site=1)[:2]
+    groups = [f"t{i // 3}" for i in range(30)]
+    groups[7] = None
+    with pytest.raises(ValueError, match=r"groups\[7\] is None"):
+        SiteSelector(GroupedArgmaxLogisticClassifier(), cv=GroupKFold(3)).fit(
+            X, y, groups=groups)
+    with pytest.raises(ValueError, match="groups has 29 entries for 30"):
+        SiteSelector(GroupedArgmaxLogisticClassifier(), cv=GroupKFold(3)).fit(
+            X, y, groups=groups[:29])
