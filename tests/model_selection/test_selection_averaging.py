@@ -111,7 +111,7 @@ def test_top_k_follow_the_inner_cv_ranking_with_stable_ties():
     with pytest.warns(UserWarning, match="only 1 site"):
         assert _top_sites(("a", "b"), np.array([0.5, -1.0]), np.array([False, True]),
                           2) == ("a",)
-    with pytest.raises(ValueError, match="exceeds"):
+    with pytest.raises(ValueError, match="averages the 6 best sites, but X holds only 5"):
         SiteSelector(GroupedSoftmaxClassifier(), n_sites=6).fit(X, y)
 
 
