@@ -486,6 +486,11 @@ def resolve_model_spec(model, *, gguf_file=None) -> ModelSpec:
         return ModelSpec("folder", str(path))
     if os.path.isabs(text) or text.startswith((".", "~")):
         raise FileNotFoundError(f"Model path {text!r} does not exist.")
+    if "/" not in text:
+        # Not a hub id (owner/name): say so at once instead of minutes of hub retries.
+        raise FileNotFoundError(
+            f"model {text!r} is not a registered model, a known name "
+            f"({', '.join(sorted(_KNOWN))}), an existing path, or a hub id (owner/name).")
     return ModelSpec("hub", text, None if gguf_file is None else str(gguf_file))
 
 
