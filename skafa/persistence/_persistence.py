@@ -970,8 +970,15 @@ def register_value_codec(cls, tag, to_plain, from_plain):
     """
     if not (isinstance(tag, str) and tag.startswith("__") and tag.endswith("__")):
         raise ValueError(f"tag must look like '__name__', got {tag!r}.")
-    if tag in _DECODERS or _CODEC_DECODERS.get(tag, from_plain) is not from_plain:
+    def same(a, b):  # the same object, or the same one from a re-imported module
+        return a is b or (getattr(a, "__module__", None) == getattr(b, "__module__", 0)
+                          and getattr(a, "__qualname__", None) == getattr(b, "__qualname__", 0))
+
+    if tag in _DECODERS or not same(_CODEC_DECODERS.get(tag, from_plain), from_plain):
         raise ValueError(f"the tag {tag!r} is already used.")
+    for old_cls, (old_tag, _, _) in list(_VALUE_CODECS.items()):
+        if old_tag == tag:  # a re-imported module registers its class again
+            del _VALUE_CODECS[old_cls]
     _VALUE_CODECS[cls] = (tag, to_plain, from_plain)
     _CODEC_DECODERS[tag] = from_plain
 

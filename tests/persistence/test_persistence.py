@@ -1095,3 +1095,13 @@ def test_loaded_extractor_writes_nowhere(tmp_path):
     own = tmp_path / "mine"
     assert load(path, cache_dir=str(own), verify_model=False).cache_dir == str(own)
 
+
+
+def test_value_codec_tags_are_unique_but_a_reimported_class_may_register_again():
+    from skafa.llm import ModelHandle
+    from skafa.persistence import register_value_codec
+
+    with pytest.raises(ValueError, match="already used"):
+        register_value_codec(dict, "__model_handle__", str, lambda data: data)
+    # the same class again (a module imported a second time): accepted, one entry kept
+    register_value_codec(ModelHandle, "__model_handle__", lambda h: h.name, ModelHandle)
