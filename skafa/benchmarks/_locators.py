@@ -252,17 +252,17 @@ def run_locator_benchmark(settings, conversations, *, subset_label=None, log=Non
     A = H = None
     if {"locator_probe", "top_locator_head"} & set(rows):
         ext = TurnActivationTransformer(settings.model, read="last", sites="head_attn",
-                                        cache_dir=settings.cache_dir, **common)
+                                        cache_dir=settings.cache_dir, verbose=1, **common)
         _say(log, f"head-attention features of {len(convs)} conversations ({n_tokens:,} "
                   "prompt tokens, read 'last')")
         H = timed("features head_attn", lambda: ext.fit_transform(convs))
     if "recommended" in rows:
-        acts, selector = make_configuration(RECOMMENDED, settings.model,
+        acts, selector = make_configuration(RECOMMENDED, settings.model, verbose=1,
                                             cache_dir=settings.cache_dir, **common)
         _say(log, f"activations of the recommended configuration ({RECOMMENDED})")
         A = timed("features recommended", lambda: acts.fit_transform(convs))
     if "judge" in rows:
-        judge = PromptedJudge(settings.model, **common)
+        judge = PromptedJudge(settings.model, verbose=1, **common)
         P_judge = timed("judge", lambda: judge.fit(convs, y).predict(convs))
         P["judge"][:] = P_judge[None, :]
 
