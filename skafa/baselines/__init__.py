@@ -10,6 +10,7 @@ from ._dummy import (
 )
 from ._grafted import (
     GraftedJudge,
+    grafted_split_predictions,
     head_direct_effects,
 )
 from ._judge import (
@@ -20,5 +21,6 @@ __all__ = [
     "DummyStepClassifier",
     "GraftedJudge",
     "PromptedJudge",
+    "grafted_split_predictions",
     "head_direct_effects",
 ]

@@ -39,16 +39,18 @@ from sklearn.utils import Bunch
 from ..llm import (
     banded_sliding_window_attention,
     decoder_layout,
+    has_sliding_window,
     head_attention_rows,
+    kv_cache_argument,
     turn_attention_mass,
 )
 from ..model_selection import grouped_splits
 from ..utils.progress import log
 from ..utils.sklearn_compat import Interval, fit_context
 from ..utils.validation import group_labels
-from ._judge import _StepJudge
+from ._judge import _output_cache, _score_packed, _StepJudge, score_candidates
 
-__all__ = ["GraftedJudge", "head_direct_effects"]
+__all__ = ["GraftedJudge", "grafted_split_predictions", "head_direct_effects"]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -89,6 +91,36 @@ def _linear_norm(norm, c, ref):
     return norm(c).float() * (rms_c / rms_ref)
 
 
+class _DirectCapture:
+    """Hooks keeping, at the last query token of each call, what direct effects need."""
+
+    def __init__(self, layout, active):
+        self.layout, self.active, self.captured, self.handles = layout, active, {}, []
+
+    def __enter__(self):
+        if not self.active:
+            return self
+
+        def keep(key):
+            def hook(module, args, output=None):
+                value = args[0] if output is None else output
+                self.captured[key] = value[0, -1].detach().float()
+            return hook
+
+        for layer_index, layer in enumerate(self.layout.layers):
+            o_proj = layer.self_attn.o_proj
+            self.handles.append(o_proj.register_forward_pre_hook(keep(("z", layer_index))))
+            self.handles.append(o_proj.register_forward_hook(keep(("o", layer_index))))
+        self.handles.append(self.layout.final_norm.register_forward_pre_hook(keep(("x", None))))
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        return False
+
+
 def _answer_pass(lm, prefix, *, direct_tokens=None):
     """One clean forward pass over ``prefix``; attention rows at its last token.
 
@@ -102,33 +134,106 @@ def _answer_pass(lm, prefix, *, direct_tokens=None):
     layout = decoder_layout(lm)
     device = layout.embedding.weight.device
     ids = torch.as_tensor(np.asarray(prefix, dtype=np.int64)[None], device=device)
-    captured = {}
-    handles = []
-    if direct_tokens is not None:
-        def keep(key):
-            def hook(module, args, output=None):
-                value = args[0] if output is None else output
-                captured[key] = value[0, -1].detach().float()
-            return hook
-
-        for layer_index, layer in enumerate(layout.layers):
-            o_proj = layer.self_attn.o_proj
-            handles.append(o_proj.register_forward_pre_hook(keep(("z", layer_index))))
-            handles.append(o_proj.register_forward_hook(keep(("o", layer_index))))
-        handles.append(layout.final_norm.register_forward_pre_hook(keep(("x", None))))
-    try:
-        with torch.inference_mode(), banded_sliding_window_attention(lm), \
-                head_attention_rows(lm, [ids.shape[1] - 1]) as recorded:
-            lm(input_ids=ids, use_cache=False, logits_to_keep=1)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with _DirectCapture(layout, direct_tokens is not None) as capture, \
+            torch.inference_mode(), banded_sliding_window_attention(lm), \
+            head_attention_rows(lm, [ids.shape[1] - 1]) as recorded:
+        lm(input_ids=ids, use_cache=False, logits_to_keep=1)
     rows = recorded.stacked()[:, 0, :, 0, :]
     if direct_tokens is None:
         return rows, None
     with torch.inference_mode():
-        direct = _direct_from_captured(lm, layout, captured, direct_tokens)
+        direct = _direct_from_captured(lm, layout, capture.captured, direct_tokens)
     return rows, direct
+
+
+def _rollback(cache, length):
+    """Cut a KV cache back to its first ``length`` tokens.
+
+    ``crop(-n)`` removes the last ``n`` tokens in transformers 4 (``max_length``
+    below 0) and 5 (``tokens_to_remove``) alike.
+    """
+    now = int(cache.get_seq_length())
+    if now > length:
+        cache.crop(-(now - length))
+    if int(cache.get_seq_length()) != length:
+        raise RuntimeError(f"could not roll the KV cache back to {length} tokens "
+                           f"(it holds {int(cache.get_seq_length())}).")
+
+
+class _AnswerSession:
+    """One judge prompt, read once, answered many times with different grafts.
+
+    The forward pass over every prompt token but the last (the *answer position*)
+    runs once and its KV cache is kept; each :meth:`step` then runs only the
+    answer position (with an optional override of some heads' attention there)
+    and the candidate step tokens, and rolls the cache back. Causal attention
+    makes this exact: a graft at the answer position cannot change any earlier
+    position. Models with sliding-window layers (whose caches cannot be rolled
+    back) rerun the whole prompt at each step instead — the same numbers, slower.
+    """
+
+    def __init__(self, lm, prefix, continuations, number_mask, pad_id):
+        import torch
+
+        self.lm, self.continuations = lm, continuations
+        self.number_mask, self.pad_id = number_mask, pad_id
+        self.prefix = np.asarray(prefix, dtype=np.int64)
+        self.layout = decoder_layout(lm)
+        self.device = self.layout.embedding.weight.device
+        self.cache = None
+        if not has_sliding_window(lm) and len(self.prefix) > 1:
+            ids = torch.as_tensor(self.prefix[None, :-1], device=self.device)
+            with torch.inference_mode():
+                out = lm(input_ids=ids, use_cache=True, logits_to_keep=1)
+            self.cache = _output_cache(out)
+            self.base = int(self.cache.get_seq_length())
+
+    def step(self, override=None, direct_tokens=None):
+        """Candidate scores with ``override`` active at the answer position.
+
+        Returns ``(scores, rows, direct)``: float64 scores of the candidates,
+        the model's own attention rows at the answer position (float32
+        ``(n_layers, n_heads, n_keys)``) and the heads' direct effects on
+        ``direct_tokens`` there (or ``None``).
+        """
+        import torch
+
+        if self.cache is None:
+            return self._full_step(override, direct_tokens)
+        n = len(self.prefix)
+        ids = torch.as_tensor(self.prefix[None, -1:], device=self.device)
+        kv = {kv_cache_argument(self.lm): self.cache}
+        try:
+            with _DirectCapture(self.layout, direct_tokens is not None) as capture, \
+                    torch.inference_mode(), \
+                    head_attention_rows(self.lm, [-1], override=override) as recorded:
+                out = self.lm(input_ids=ids, position_ids=torch.tensor([[n - 1]], device=self.device),
+                              use_cache=True, logits_to_keep=1, **kv)
+            first_logp = torch.log_softmax(out.logits[:, -1, :].float(), dim=-1)
+            mask2d = torch.ones((1, n), dtype=torch.long)
+            scores = _score_packed(self.lm, self.cache, first_logp, mask2d, [n],
+                                   [self.continuations], self.number_mask, self.pad_id,
+                                   self.device)[0]
+        finally:
+            _rollback(self.cache, self.base)
+        rows = recorded.stacked()[:, 0, :, 0, :]
+        direct = None
+        if direct_tokens is not None:
+            with torch.inference_mode():
+                direct = _direct_from_captured(self.lm, self.layout, capture.captured,
+                                               direct_tokens)
+        return scores, rows, direct
+
+    def _full_step(self, override, direct_tokens):
+        rows, direct = _answer_pass(self.lm, self.prefix, direct_tokens=direct_tokens)
+        context = None
+        if override:
+            def context(batch_rows, width):
+                return head_attention_rows(self.lm, [width - 1], override=override)
+        scores = score_candidates(self.lm, [self.prefix], [self.continuations],
+                                  self.number_mask, pad_id=self.pad_id,
+                                  prefix_context=context)[0]
+        return scores, rows, direct
 
 
 def _direct_from_captured(lm, layout, captured, tokens):
@@ -205,24 +310,43 @@ def _graft_rows(rows, locators, writers, mix):
             for layer, head in writers}
 
 
-def _graft_context(lm, grafts):
-    """``context_for(batch)`` for :meth:`_StepJudge._score_plan`: the graft as an override."""
-    import torch
+def _active(config, mix):
+    """Whether a ``(locators, writers)`` graft changes anything."""
+    return bool(config[0] and config[1] and mix > 0)
 
-    def context_for(batch):
-        def prefix_context(rows, width):
-            override = {}
-            for head in grafts[batch[rows[0]]]:
-                w = np.zeros((len(rows), 1, width), dtype=np.float32)
-                for r, b in enumerate(rows):
-                    g = grafts[batch[b]][head]
-                    w[r, 0, width - g.shape[0]:] = g  # prefixes are left-padded
-                override[head] = torch.from_numpy(w)
-            return head_attention_rows(lm, [width - 1], override=override)
 
-        return prefix_context
+def _pair_configs(locator_stats, writer_stats, index, pairs):
+    """The graft of every ``(n_locators, n_writers)`` pair, heads ranked on ``index``."""
+    n_loc = max(p[0] for p in pairs)
+    n_wri = max(p[1] for p in pairs)
+    locators = _rank(_mean_scores(locator_stats, index))[:n_loc]
+    writers = _rank(_mean_scores(writer_stats, index))[:n_wri]
+    return [(tuple(locators[:a]), tuple(writers[:b])) for a, b in pairs]
 
-    return context_for
+
+def _request(requests, index, configs):
+    """Add ``configs`` to the grafts conversations ``index`` must be scored with."""
+    for i in index:
+        wanted = requests.setdefault(int(i), [])
+        wanted.extend(c for c in configs if c not in wanted)
+
+
+def _split_scores(scores, steps, splits, configs):
+    """Step accuracy of every pair on every split: shape ``(n_pairs, n_splits)``."""
+    out = np.zeros((len(configs[0]), len(splits)))
+    for fold, ((_, test), pair_configs) in enumerate(zip(splits, configs)):
+        for k, config in enumerate(pair_configs):
+            out[k, fold] = np.mean([int(np.argmax(scores[int(i), config])) == int(steps[i])
+                                    for i in test])
+    return out
+
+
+def _choose_pair(pairs, split_scores, splits):
+    """The pair with the best pooled inner accuracy (ties: fewer heads, fewer locators)."""
+    sizes = np.array([len(test) for _, test in splits], dtype=np.float64)
+    mean = split_scores @ sizes / sizes.sum()
+    best = max(range(len(pairs)), key=lambda k: (mean[k], -sum(pairs[k]), -pairs[k][0]))
+    return best, mean
 
 
 # ----------------------------------------------------------------------------- estimator
@@ -287,7 +411,8 @@ class GraftedJudge(_StepJudge):
     device : str, default="cpu"
     dtype : str, default="auto"
     batch_size : int, default=1
-        Conversations per forward pass of the candidate scoring.
+        Conversations per forward pass of the ungrafted candidate scoring (the
+        prompted judge's path); grafted scoring reads one conversation at a time.
     verbose : int, default=0
 
     Attributes
@@ -316,16 +441,24 @@ n_conversations_fit_
     --------
     skafa.baselines.PromptedJudge : The same judge without the graft.
     skafa.llm.head_attention_rows : The attention rows and the override.
+    grafted_split_predictions : The judge fitted on many splits at the cost of two reads.
 
     Notes
     -----
-    Cost: ``fit`` runs one clean pass per training conversation to rank the
-    heads, then, per inner fold, one clean pass and one grafted scoring per grid
-    pair for each held-out conversation; ``predict`` one clean pass plus the
-    judge's scoring (about twice the judge's cost). The writer score is a
-    direct-effect (first-order) reading: a head that writes through later
-    layers is not seen. The locators' attention is taken from the clean pass,
-    so a locator downstream of a writer does not see the graft.
+    Cost: every prompt but its last token (the answer position) is read once
+    and its KV cache kept while that conversation is scored; a graft then
+    reruns only the answer position and the candidate step tokens, and the
+    cache is rolled back. Causal attention makes this exact (a graft at the
+    answer position cannot change an earlier position); models with
+    sliding-window layers, whose caches cannot be rolled back, rerun the whole
+    prompt per graft. ``fit`` reads each training prompt once for the head
+    statistics and once more for all the grafts its inner folds ask of it;
+    ``predict`` once. :func:`grafted_split_predictions` gives the test
+    predictions of many splits (a repeated cross-validation) with two reads per
+    conversation in all. The writer score is a direct-effect (first-order)
+    reading: a head that writes through later layers is not seen. The
+    locators' attention is taken from the clean pass, so a locator downstream
+    of a writer does not see the graft.
 
     Examples
     --------
@@ -392,45 +525,61 @@ n_conversations_fit_
         -------
         self : GraftedJudge
         """
-        locator_grid = _check_grid(self.locator_grid, "locator_grid")
-        writer_grid = _check_grid(self.writer_grid, "writer_grid")
+        pairs = self._pairs()
         convs, lm, tokenizer = self._fit_model(X, None)
         steps = self._check_decisive_steps(y, convs)
         plan = self._candidate_plan(convs, lm, tokenizer)
         locator_stats, writer_stats = self._head_statistics(lm, convs, plan, steps)
-        self.n_layers_, self.n_heads_ = (int(n) for n in locator_stats.shape[1:])
         everyone = np.arange(len(convs))
-        self.head_locator_scores_ = _mean_scores(locator_stats, everyone)
-        self.head_writer_scores_ = _mean_scores(writer_stats, everyone)
-        pairs = [(a, b) for a in locator_grid for b in writer_grid]
-        if len(pairs) == 1:
+        inner = None if len(pairs) == 1 else self._inner_splits(convs, steps, groups)
+        requests, configs = {}, []
+        for train, test in inner or ():
+            configs.append(_pair_configs(locator_stats, writer_stats, train, pairs))
+            _request(requests, test, configs[-1])
+        scores = self._graft_scores(lm, convs, plan, requests)
+        self._set_choice(pairs, locator_stats, writer_stats, everyone, inner, configs,
+                         scores, steps)
+        return self
+
+    def _pairs(self):
+        locator_grid = _check_grid(self.locator_grid, "locator_grid")
+        writer_grid = _check_grid(self.writer_grid, "writer_grid")
+        return [(a, b) for a in locator_grid for b in writer_grid]
+
+    def _set_choice(self, pairs, locator_stats, writer_stats, train, inner, configs,
+                    scores, steps):
+        """Fitted attributes from the statistics of ``train`` and the inner scores."""
+        self.n_layers_, self.n_heads_ = (int(n) for n in locator_stats.shape[1:])
+        self.head_locator_scores_ = _mean_scores(locator_stats, train)
+        self.head_writer_scores_ = _mean_scores(writer_stats, train)
+        if inner is None:
             self.cv_results_ = None
             self.n_locators_, self.n_writers_ = pairs[0]
         else:
-            splits = self._inner_splits(convs, steps, groups)
-            split_scores = self._inner_scores(lm, convs, plan, steps, pairs, splits,
-                                              locator_stats, writer_stats)
-            sizes = np.array([len(test) for _, test in splits], dtype=np.float64)
-            mean = split_scores @ sizes / sizes.sum()
-            best = max(range(len(pairs)),
-                       key=lambda k: (mean[k], -sum(pairs[k]), -pairs[k][0]))
+            split_scores = _split_scores(scores, steps, inner, configs)
+            best, mean = _choose_pair(pairs, split_scores, inner)
             self.cv_results_ = {"params": [tuple(p) for p in pairs],
                                 "mean_test_score": mean,
                                 "split_test_scores": split_scores}
             self.n_locators_, self.n_writers_ = pairs[best]
+            log(self, 1, "inner folds: " + ", ".join(
+                f"{p}: {m:.3f}" for p, m in zip(pairs, mean)))
         self.locator_heads_ = _rank(self.head_locator_scores_)[:self.n_locators_]
         self.writer_heads_ = _rank(self.head_writer_scores_)[:self.n_writers_]
         log(self, 1, f"locators {self.locator_heads_}, writers {self.writer_heads_}")
-        return self
+
+    def _session(self, lm, plan, i):
+        return _AnswerSession(lm, plan.prefixes[i], plan.continuations[i], plan.number_mask,
+                              plan.pad_id)
 
     def _head_statistics(self, lm, convs, plan, steps):
         """Per conversation and head: mass on the decisive turn, direct-effect contrast."""
         locator, writer = [], []
         start = time.perf_counter()
-        for i, (conv, enc) in enumerate(zip(convs, plan.encodings)):
+        for i, enc in enumerate(plan.encodings):
             firsts = [int(c[0]) for c in plan.continuations[i]]
             tokens = sorted(set(firsts))
-            rows, direct = _answer_pass(lm, plan.prefixes[i], direct_tokens=tokens)
+            _, rows, direct = self._session(lm, plan, i).step(direct_tokens=tokens)
             spans = list(zip(np.asarray(enc.turn_start_positions).tolist(),
                              (np.asarray(enc.turn_positions) + 1).tolist()))
             step = int(steps[i])
@@ -441,8 +590,7 @@ n_conversations_fit_
                 writer.append(direct[..., true] - direct[..., others].mean(-1))
             else:  # every candidate starts with the same token: no contrast
                 writer.append(np.full(direct.shape[:2], np.nan))
-            log(self, 2, f"ranked heads on {i + 1}/{len(convs)} conversations, "
-                         f"{time.perf_counter() - start:.2f} s")
+            self._log(start, i + 1, len(convs), [i], convs, [len(plan.prefixes[i])])
         return np.stack(locator).astype(np.float64), np.stack(writer).astype(np.float64)
 
     def _inner_splits(self, convs, steps, groups):
@@ -462,34 +610,45 @@ n_conversations_fit_
             return list(cv.split(convs, steps, groups))
         return grouped_splits(self.cv, convs, steps, {"groups": groups}, task_ids)
 
-    def _inner_scores(self, lm, convs, plan, steps, pairs, splits, locator_stats,
-                      writer_stats):
-        """Step accuracy of every pair on every inner fold: shape (n_pairs, n_splits)."""
-        out = np.zeros((len(pairs), len(splits)))
-        n_loc = max(p[0] for p in pairs)
-        n_wri = max(p[1] for p in pairs)
-        for fold, (train, test) in enumerate(splits):
-            locators = _rank(_mean_scores(locator_stats, train))[:n_loc]
-            writers = _rank(_mean_scores(writer_stats, train))[:n_wri]
-            sub = [convs[i] for i in test]
-            subplan = Bunch(**plan)
+    def _graft_scores(self, lm, convs, plan, requests):
+        """Candidate scores of conversation ``i`` under each graft ``requests[i]`` asks for.
+
+        A graft that changes nothing is scored by the prompted judge's own path
+        (bit for bit, batched by ``batch_size``); every other conversation's
+        prompt is read once (:class:`_AnswerSession`) and each of its grafts costs
+        only the answer position and the candidate tokens.
+
+        Returns
+        -------
+        dict
+            ``{(i, (locators, writers)): scores}``.
+        """
+        mix = float(self.mix)
+        out = {}
+        plain = sorted(i for i, configs in requests.items()
+                       if any(not _active(c, mix) for c in configs))
+        if plain:
+            sub = Bunch(**plan)
             for key in ("prefixes", "continuations", "encodings"):
-                subplan[key] = [plan[key][i] for i in test]
-            rows = [_answer_pass(lm, p)[0] for p in subplan.prefixes]
-            plain = None
-            for k, (a, b) in enumerate(pairs):
-                grafts = [_graft_rows(r, locators[:a], writers[:b], float(self.mix))
-                          for r in rows]
-                if not any(grafts):
-                    if plain is None:
-                        plain = self._score_plan(lm, sub, subplan)
-                    scores = plain
-                else:
-                    scores = self._score_plan(lm, sub, subplan, _graft_context(lm, grafts))
-                hits = [int(np.argmax(s)) == int(steps[i]) for s, i in zip(scores, test)]
-                out[k, fold] = np.mean(hits)
-            log(self, 1, f"inner fold {fold + 1}/{len(splits)}: "
-                         + ", ".join(f"{p}: {out[k, fold]:.3f}" for k, p in enumerate(pairs)))
+                sub[key] = [plan[key][i] for i in plain]
+            for i, scores in zip(plain, self._score_plan(lm, [convs[i] for i in plain], sub)):
+                for config in requests[i]:
+                    if not _active(config, mix):
+                        out[i, config] = scores
+        grafted = sorted(i for i, configs in requests.items()
+                         if any(_active(c, mix) for c in configs))
+        start = time.perf_counter()
+        for done, i in enumerate(grafted, 1):
+            session = self._session(lm, plan, i)
+            _, rows, _ = session.step()
+            for config in requests[i]:
+                if _active(config, mix):
+                    grafts = _graft_rows(rows, list(config[0]), list(config[1]), mix)
+                    override = {head: w[None, :] for head, w in grafts.items()}
+                    out[i, config] = session.step(override=override)[0]
+            del session
+            log(self, 2, f"grafted {len(requests[i])} heads' choices on {done}/{len(grafted)} "
+                         f"conversations, {time.perf_counter() - start:.2f} s")
         return out
 
     # ------------------------------------------------------------------ prediction
@@ -502,8 +661,104 @@ n_conversations_fit_
             return self._logprob_scores(convs)
         lm, tokenizer = self._load_checked()
         plan = self._candidate_plan(convs, lm, tokenizer)
-        locators = [tuple(h) for h in self.locator_heads_]
-        writers = [tuple(h) for h in self.writer_heads_]
-        grafts = [_graft_rows(_answer_pass(lm, p)[0], locators, writers, float(self.mix))
-                  for p in plan.prefixes]
-        return self._score_plan(lm, convs, plan, _graft_context(lm, grafts))
+        config = (tuple(tuple(h) for h in self.locator_heads_),
+                  tuple(tuple(h) for h in self.writer_heads_))
+        scores = self._graft_scores(lm, convs, plan, {i: [config] for i in range(len(convs))})
+        return [scores[i, config] for i in range(len(convs))]
+
+    @fit_context(prefer_skip_nested_validation=True)
+    def _split_predictions(self, X, y, splits, groups):
+        """:func:`grafted_split_predictions` on this (unfitted copy of the) judge."""
+        pairs = self._pairs()
+        convs, lm, tokenizer = self._fit_model(X, None)
+        steps = self._check_decisive_steps(y, convs)
+        groups = None if groups is None else np.asarray(groups)
+        plan = self._candidate_plan(convs, lm, tokenizer)
+        log(self, 1, f"head statistics of {len(convs)} conversations (one pass each)")
+        locator_stats, writer_stats = self._head_statistics(lm, convs, plan, steps)
+        requests, fits = {}, []
+        for train, test in splits:
+            train, test = np.asarray(train, dtype=np.int64), np.asarray(test, dtype=np.int64)
+            inner, configs = None, []
+            if len(pairs) > 1:
+                local = self._inner_splits([convs[i] for i in train], steps[train],
+                                           None if groups is None else groups[train])
+                inner = [(train[a], train[b]) for a, b in local]
+                for inner_train, inner_test in inner:
+                    configs.append(_pair_configs(locator_stats, writer_stats, inner_train,
+                                                 pairs))
+                    _request(requests, inner_test, configs[-1])
+            final = _pair_configs(locator_stats, writer_stats, train, pairs)
+            _request(requests, test, final)  # every pair: the choice is made afterwards
+            fits.append((train, test, inner, configs, final))
+        n_grafts = sum(len(v) for v in requests.values())
+        log(self, 1, f"{n_grafts} (conversation, graft) scorings over {len(requests)} "
+                     f"conversations (one prompt pass each)")
+        scores = self._graft_scores(lm, convs, plan, requests)
+        predictions, infos = [], []
+        for train, test, inner, configs, final in fits:
+            self._set_choice(pairs, locator_stats, writer_stats, train, inner, configs,
+                             scores, steps)
+            config = final[pairs.index((self.n_locators_, self.n_writers_))]
+            predictions.append(np.array([int(np.argmax(scores[int(i), config])) for i in test],
+                                        dtype=np.int64))
+            infos.append({"n_locators": int(self.n_locators_), "n_writers": int(self.n_writers_),
+                          "locator_heads": [list(h) for h in self.locator_heads_],
+                          "writer_heads": [list(h) for h in self.writer_heads_],
+                          "inner_mean_score": (None if self.cv_results_ is None else
+                                               [float(v) for v in
+                                                self.cv_results_["mean_test_score"]])})
+        return predictions, infos
+
+
+def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None):
+    """Test predictions of a :class:`GraftedJudge` fitted on each split's training part.
+
+    The result equals, split by split, ::
+
+        clone(judge).fit(X[train], y[train], groups=groups[train]).predict(X[test])
+
+    but every conversation's prompt is read twice in all (once for the head
+    statistics, once for all the grafts any split asks of it) instead of several
+    times per split: the statistics do not depend on the split, and a graft at the
+    answer position costs only that position and the candidate tokens
+    (:class:`GraftedJudge`'s own ``fit`` and ``predict`` share this code). For the
+    repeated cross-validation of a benchmark this is what makes the grafted judge
+    affordable.
+
+    Parameters
+    ----------
+    judge : GraftedJudge
+        Unfitted template (cloned; its parameters are validated as ``fit`` does).
+    X : list of Conversation
+    y : array-like of int, shape (n_conversations,), default=None
+        Decisive steps; ``None`` reads each conversation's ``mistake_step``.
+    splits : iterable of (train, test)
+        Index arrays into ``X``.
+    groups : array-like of shape (n_conversations,), default=None
+        Groups of the inner folds, as ``fit``'s ``groups``.
+
+    Returns
+    -------
+    predictions : list of ndarray of int64
+        The predicted step of each test conversation, in the order of ``test``.
+    fits : list of dict
+        Per split: ``n_locators``, ``n_writers``, ``locator_heads``,
+        ``writer_heads`` and ``inner_mean_score`` (per pair of the grids, or
+        ``None`` when they hold one pair).
+
+    Examples
+    --------
+    >>> from sklearn.model_selection import GroupKFold
+    >>> from skafa.baselines import GraftedJudge, grafted_split_predictions
+    >>> splits = list(GroupKFold(5).split(convs, groups=task_ids))   # doctest: +SKIP
+    >>> preds, fits = grafted_split_predictions(
+    ...     GraftedJudge("smollm2", cv=GroupKFold(5)), convs, splits=splits,
+    ...     groups=task_ids)                                          # doctest: +SKIP
+    """
+    if not isinstance(judge, GraftedJudge):
+        raise TypeError(f"grafted_split_predictions needs a GraftedJudge, got "
+                        f"{type(judge).__name__}.")
+    from sklearn.base import clone
+
+    return clone(judge)._split_predictions(X, y, list(splits), groups)

@@ -299,8 +299,24 @@ def score_candidates(model, prefixes, continuations, number_mask, *, pad_id=0,
     with _in_context(prefix_context, list(range(len(prefixes))),
                      max(len(p) for p in prefixes)):
         first_logits, cache, mask2d, lengths = _prefix_forward(model, prefixes, pad_id, device)
+    return _score_packed(model, cache, torch.log_softmax(first_logits, dim=-1), mask2d,
+                         lengths, continuations, number_mask, pad_id, device)
+
+
+def _score_packed(model, cache, first_logp, mask2d, lengths, continuations, number_mask,
+                  pad_id, device):
+    """Score every candidate of every sequence in one pass that continues ``cache``.
+
+    ``cache`` holds the ``L = mask2d.shape[1]`` (left-padded) prefix tokens of each
+    row, ``first_logp`` the log-distribution after each prefix, ``lengths`` the
+    prefixes' true lengths. The candidates of row ``b`` are packed side by side
+    behind its prefix under a 4-D mask (each sees its prefix and its own earlier
+    tokens; position ids continue the prefix's). The pass appends its tokens to
+    ``cache``.
+    """
+    import torch
+
     B, L = mask2d.shape
-    first_logp = torch.log_softmax(first_logits, dim=-1)
 
     # Pack every candidate of sequence b into one row.
     starts = []

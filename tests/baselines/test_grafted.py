@@ -283,3 +283,49 @@ def test_predict_agent_score_and_validation(tiny, convs):
     unlabelled = make_conversations(3, seed=1, labelled=False)
     with pytest.raises(ValueError, match="GraftedJudge"):
         GraftedJudge(LLAMA).fit(unlabelled)
+
+
+# ----------------------------------------------------------------------------- split predictions
+@pytest.mark.parametrize("name", [LLAMA, GEMMA3])
+def test_split_predictions_equal_fitting_on_each_split(tiny, convs, name, monkeypatch):
+    from skafa.baselines import _grafted, grafted_split_predictions
+
+    groups = np.array([c.task_id for c in convs])
+    y = _steps(convs)
+    splits = [(np.array([0, 1, 2, 3, 4]), np.array([5, 6, 7])),
+              (np.array([2, 3, 4, 5, 6, 7]), np.array([0, 1])),
+              (np.array([0, 1, 5, 6, 7]), np.array([2, 3, 4]))]
+    judge = GraftedJudge(name, locator_grid=(1, 2), writer_grid=(0, 1, 2), cv=GroupKFold(2))
+    expected, heads = [], []
+    for train, test in splits:
+        fitted = clone(judge).fit([convs[i] for i in train], y[train], groups=groups[train])
+        expected.append(fitted.predict([convs[i] for i in test]))
+        heads.append((fitted.locator_heads_, fitted.writer_heads_))
+    opened = []
+    real = _grafted._AnswerSession.__init__
+
+    def counting(self, lm, prefix, *args):
+        opened.append(len(prefix))
+        real(self, lm, prefix, *args)
+
+    monkeypatch.setattr(_grafted._AnswerSession, "__init__", counting)
+    predictions, fits = grafted_split_predictions(judge, convs, y, splits, groups=groups)
+    for got, want in zip(predictions, expected):
+        np.testing.assert_array_equal(got, want)
+    for fit, (locators, writers) in zip(fits, heads):
+        assert [tuple(h) for h in fit["locator_heads"]] == locators
+        assert [tuple(h) for h in fit["writer_heads"]] == writers
+        assert len(fit["inner_mean_score"]) == 6
+    # every prompt is read at most twice: once for the statistics, once for its grafts
+    assert len(opened) <= 2 * len(convs)
+    assert not hasattr(judge, "locator_heads_")  # the template is left unfitted
+
+
+def test_split_predictions_validate_like_fit(tiny, convs):
+    from skafa.baselines import grafted_split_predictions
+
+    with pytest.raises(TypeError, match="GraftedJudge"):
+        grafted_split_predictions(PromptedJudge(LLAMA), convs, splits=[])
+    with pytest.raises(ValueError, match="mix"):
+        grafted_split_predictions(GraftedJudge(LLAMA, mix=2.0), convs,
+                                  splits=[(np.arange(4), np.arange(4, 8))])
