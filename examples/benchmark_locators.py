@@ -9,9 +9,15 @@ Usage (from the repository root)::
 
     python examples/benchmark_locators.py --model smollm2 --subset Algorithm-Generated
     python examples/benchmark_locators.py --smoke          # tiny random model, seconds
+    python examples/benchmark_locators.py --model smollm2 --cache-dir CACHE --extract-only
+    python examples/benchmark_locators.py --model smollm2 --cache-dir CACHE --resume
 
 Results: ``--out`` (default ``docs/results``) gets ``locators_<tag>_<subset>.json`` and
-``.md``.
+``.md``. With ``--resume`` every finished outer fit of every row is kept at once in
+``<out>/locators_<tag>_<subset>.partial-<row>.json``: run the same command again after
+an interruption and only the missing fits are computed (the whole-set passes only for
+rows that still need them). ``--extract-only`` fills ``--cache-dir`` with the
+head-attention features and the recommended configuration's activations and stops.
 """
 
 from __future__ import annotations
@@ -45,6 +51,12 @@ def parse_args(argv=None):
     p.add_argument("--rows", default=",".join(LOCATOR_ROWS),
                    help="rows to run (leaving one out is a deviation, named in the result)")
     p.add_argument("--n-resamples", type=int, default=2000)
+    p.add_argument("--resume", action="store_true",
+                   help="keep each finished (row, outer fit) in "
+                        "<out>/locators_<tag>_<subset>.partial-<row>.json and reuse it")
+    p.add_argument("--extract-only", action="store_true",
+                   help="fill --cache-dir with the whole-set feature passes and stop "
+                        "(no fits, no result files)")
     p.add_argument("--smoke", action="store_true",
                    help="a tiny random model on 20 synthetic records: checks the wiring only")
     return p.parse_args(argv)
@@ -56,7 +68,8 @@ def main(argv=None):
         model=args.model, tag=args.tag, subset=args.subset, cache_dir=args.cache_dir,
         out=args.out, max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype,
         rows=[r.strip() for r in args.rows.split(",") if r.strip()],
-        n_resamples=args.n_resamples, command=" ".join(["python"] + sys.argv))
+        n_resamples=args.n_resamples, resume=args.resume, extract_only=args.extract_only,
+        command=" ".join(["python"] + sys.argv))
     if args.smoke:
         from skafa.llm import register_model
         from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer

@@ -32,6 +32,8 @@ pass are written beside the table.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import time
 from pathlib import Path
 
@@ -40,12 +42,26 @@ from sklearn.base import clone
 from sklearn.model_selection import GridSearchCV, GroupKFold
 from sklearn.pipeline import make_pipeline
 
-from ..baselines import DummyStepClassifier, GraftedJudge, PromptedJudge
+from ..baselines import (
+    DummyStepClassifier,
+    GraftedJudge,
+    PromptedJudge,
+    grafted_split_predictions,
+)
 from ..compose import SiteConcatenator
 from ..configurations import RECOMMENDED, make_configuration
 from ..featurizers import TurnPositionTransformer, TurnTextTransformer
-from ..llm import PromptTemplate, TurnActivationTransformer, measure_throughput, plan
+from ..llm import (
+    PromptTemplate,
+    TurnActivationTransformer,
+    conversation_content,
+    measure_throughput,
+    model_identity,
+    plan,
+)
 from ..model_selection import (
+    FoldResultStore,
+    ResultStoreError,
     SiteSelector,
     format_interval,
     grid_search_C,
@@ -78,7 +94,10 @@ class LocatorBenchmarkSettings:
 
     ``smoke=True`` marks a model registered in this process only (a test's tiny
     model): the file stem is ``locators_smoke``. ``rows`` may leave rows out (a
-    deviation, named in the result).
+    deviation, named in the result). ``resume=True`` keeps each row's finished outer
+    fits in ``<out>/locators_<tag>_<subset>.partial-<row>.json`` and reuses them;
+    ``extract_only=True`` fills ``cache_dir`` with the whole-set features and stops
+    (see :func:`run_locator_benchmark`).
     """
 
     model: str = "smollm2"
@@ -97,6 +116,8 @@ class LocatorBenchmarkSettings:
     rows: list = dataclasses.field(default_factory=lambda: list(LOCATOR_ROWS))
     dtype: str = "auto"
     n_resamples: int = 2000
+    extract_only: bool = False
+    resume: bool = False
     smoke: bool = False
     command: str = ""
 
@@ -212,8 +233,144 @@ def gap_closed(per_conversation, groups, *, n_resamples=2000, random_state=0):
             "high": float(np.quantile(ratios, 0.975))}
 
 
+def _json_ready(obj):
+    """``obj`` as it reads back from a JSON file (numpy numbers become plain ones)."""
+    return json.loads(json.dumps(obj, default=str))
+
+
+@dataclasses.dataclass
+class _Cell:
+    """What the rows of one cell share: records, labels, settings, whole-set features."""
+
+    settings: LocatorBenchmarkSettings
+    convs: list
+    y: np.ndarray
+    groups: np.ndarray
+    common: dict
+    H: object = None  # head-attention features (locator_probe, top_locator_head)
+    A: object = None  # the recommended configuration's activations
+    selector: object = None  # the recommended configuration's unfitted SiteSelector
+
+
+# Each row's outer fits: ``fits(cell, todo)`` yields ``(repeat, fold, test predictions,
+# info)`` for every ``(repeat, fold, train, test)`` of ``todo`` (the fits not stored
+# yet), in any order and as soon as each is known. A row may compute all its fits in
+# one call and then yield them; the runner stores, times and logs what it yields.
+def _fits_locator_probe(cell, todo):
+    for r, f, train, test in todo:
+        pred, info = _locator_probe(cell.H, cell.y, cell.groups, train, test, cell.settings)
+        yield r, f, pred, info
+
+
+def _fits_top_locator_head(cell, todo):
+    for r, f, train, test in todo:
+        site, head, mass = top_locator_head(cell.H[train], cell.y[train])
+        yield r, f, _predict_with_head(cell.H[test], site, head), {
+            "site": site, "head": head, "mass": mass}
+
+
+def _fits_grafted_judge(cell, todo):
+    # every outer fit at once: the head statistics do not depend on the fit, and each
+    # prompt is read twice in all (grafted_split_predictions equals fitting per fit)
+    s = cell.settings
+    judge = GraftedJudge(s.model, locator_grid=list(s.locator_grid),
+                         writer_grid=list(s.writer_grid), cv=GroupKFold(s.inner_folds),
+                         verbose=1, **cell.common)
+    predictions, fits = grafted_split_predictions(
+        judge, cell.convs, cell.y, [(train, test) for _, _, train, test in todo],
+        groups=cell.groups)
+    for (r, f, _, _), pred, info in zip(todo, predictions, fits):
+        yield r, f, pred, info
+
+
+def _fits_recommended(cell, todo):
+    y, groups = cell.y, cell.groups
+    for r, f, train, test in todo:
+        sel = clone(cell.selector).fit(cell.A[train], y[train], groups=groups[train])
+        yield r, f, sel.predict(cell.A[test]), {"sites": list(sel.best_sites_),
+                                                "C": sel.best_params_["C"]}
+
+
+def _fits_featurized(featurizer):
+    def fits(cell, todo):
+        s, convs, y, groups = cell.settings, cell.convs, cell.y, cell.groups
+        for r, f, train, test in todo:
+            ctr, cte = [convs[i] for i in train], [convs[i] for i in test]
+            fitted = clone(featurizer).fit(ctr)  # on the training part only
+            gs = grid_search_C(fitted.transform(ctr), y[train], groups[train],
+                               Cs=s.baseline_Cs, inner=s.inner_folds, n_jobs=1,
+                               random_state=0)
+            yield r, f, gs.predict(fitted.transform(cte)), {"C": gs.best_params_["C"]}
+    return fits
+
+
+def _fits_most_frequent(cell, todo):
+    convs, y = cell.convs, cell.y
+    for r, f, train, test in todo:
+        d = DummyStepClassifier(strategy="most_frequent").fit([convs[i] for i in train],
+                                                              y[train])
+        yield r, f, d.predict([convs[i] for i in test]), {}
+
+
+_FITS = {"locator_probe": _fits_locator_probe, "top_locator_head": _fits_top_locator_head,
+         "grafted_judge": _fits_grafted_judge, "recommended": _fits_recommended,
+         "position": _fits_featurized(TurnPositionTransformer()),
+         "tfidf": _fits_featurized(TurnTextTransformer()),
+         "most_frequent": _fits_most_frequent}
+
+
+def _cell_signature(settings, tag, subset, convs, y, template, budget):
+    """What every row's stored fits depend on: model, records, labels, prompt."""
+    contents = json.dumps([conversation_content(c) for c in convs], sort_keys=True,
+                          default=str)
+    return {"benchmark": "locators (docs/benchmarks.md §8)",
+            "model": str(settings.model), "tag": tag,
+            "model_identity": model_identity(settings.model), "subset": subset,
+            "record_ids": [str(c.record_id) for c in convs], "y": [int(v) for v in y],
+            "contents_sha256": hashlib.sha256(contents.encode("utf-8")).hexdigest(),
+            "dtype": settings.dtype, "prompt": template.fingerprint(),
+            "prompt_budget": budget}
+
+
+def _store_signature(cell_signature, settings, row):
+    """Everything the stored fits of ``row`` depend on (a store with another is refused)."""
+    sig = {**cell_signature, "row": row}
+    if row != "judge":  # the judge is fitted once on the whole set: no folds
+        sig.update(folds=settings.folds, inner_folds=settings.inner_folds,
+                   repeats=settings.repeats)
+    sig.update({"locator_probe": {"locator_Cs": sorted(settings.locator_Cs)},
+                "grafted_judge": {"locator_grid": list(settings.locator_grid),
+                                  "writer_grid": list(settings.writer_grid)},
+                "recommended": {"configuration": RECOMMENDED},
+                "position": {"baseline_Cs": list(settings.baseline_Cs)},
+                "tfidf": {"baseline_Cs": list(settings.baseline_Cs)}}.get(row, {}))
+    return sig
+
+
+def _extraction_counts(extractor):
+    """``(extracted, cached)`` conversations of the extractor's last transform."""
+    stats = extractor.run_stats
+    return (int(stats.get("misses", 0)),
+            int(stats.get("memory_hits", 0) + stats.get("disk_hits", 0)))
+
+
 def run_locator_benchmark(settings, conversations, *, subset_label=None, log=None):
     """Run one §8 cell and write ``locators_<tag>_<subset>.json`` and ``.md``.
+
+    With ``settings.resume``, each row's finished outer fits go at once to
+    ``<out>/locators_<tag>_<subset>.partial-<row>.json`` (a
+    :class:`~skafa.model_selection.FoldResultStore` whose signature names the
+    model, records, labels, prompt, folds and the row's grid; the judge, fitted
+    once on the whole set, is one entry), and a rerun computes only the fits not
+    stored there: a killed run loses at most the fits in progress, and the
+    whole-set passes (features, judge) run only for rows with fits missing. The
+    result is the uninterrupted run's; its ``times`` add each stored fit's own
+    seconds, and a pass not rerun is named under ``resumed``.
+
+    With ``settings.extract_only``, only the whole-set feature passes run (the
+    head-attention features and the recommended configuration's activations, as
+    far as ``settings.rows`` needs them), into ``settings.cache_dir``; no fit, no
+    result file.
 
     Parameters
     ----------
@@ -223,12 +380,29 @@ def run_locator_benchmark(settings, conversations, *, subset_label=None, log=Non
     subset_label : str, default=None
         Name in tables and file names (default ``settings.subset``).
     log : callable, default=None
-        Called with each progress line; None: silent.
+        Called with each progress line (one per finished outer fit and row);
+        None: silent.
 
     Returns
     -------
     result : dict
+        What the JSON file holds; with ``extract_only``:
+        ``{"extract_only": True, "extracted": {...}, "times": {...}}``.
+
+    Raises
+    ------
+    ValueError
+        An unknown row, or ``extract_only`` without ``cache_dir``.
+    ResultStoreError
+        A partial store written with other settings (with ``resume``), before
+        any pass runs.
     """
+    unknown = [r for r in settings.rows if r not in LOCATOR_ROWS]
+    if unknown:
+        raise ValueError(f"unknown rows {unknown}; the rows of §8 are {list(LOCATOR_ROWS)}.")
+    if settings.extract_only and not settings.cache_dir:
+        raise ValueError("extract_only (--extract-only) needs cache_dir (--cache-dir): "
+                         "without a cache the extracted features would not be kept.")
     t_all = time.perf_counter()
     subset = subset_label or settings.subset
     convs, tag, y, groups, model, tokenizer, ctx, budget = _open_cell(settings, conversations)
@@ -237,78 +411,120 @@ def run_locator_benchmark(settings, conversations, *, subset_label=None, log=Non
     shortened = plan(convs, tokenizer, template, max_tokens=budget, read="last")
     n_tokens = int(sum(r["n_tokens"] for r in shortened))
     rows = [r for r in LOCATOR_ROWS if r in settings.rows]
-    times, infos = {}, {r: [] for r in rows}
     splits = outer_splits(y, groups, n_folds=settings.folds, n_repeats=settings.repeats)
-    P = {r: np.full((settings.repeats, len(convs)), -1, dtype=np.int64) for r in rows}
+    out = Path(settings.out)
+    stem = f"locators_{tag}_{subset}"
+    common = dict(prompt=template, dtype=settings.dtype)
+    cell = _Cell(settings, convs, y, groups, common)
+
+    # ---- stored fits (resume): each row's store is opened, and checked, before any pass
+    stores, done = {}, {r: {} for r in rows}  # done[row][(r, f)] = (pred, info, seconds)
+    if settings.resume and not settings.extract_only:
+        base = _cell_signature(settings, tag, subset, convs, y, template, budget)
+        for row in rows:
+            stores[row] = store = FoldResultStore(out / f"{stem}.partial-{row}.json",
+                                                  _store_signature(base, settings, row))
+            keys = [(0, 0, len(convs))] if row == "judge" else [
+                (r, f, len(test)) for r, f, _, test in splits]
+            for r, f, n_test in keys:
+                store.check(r, f, n_test)
+                got = store.get(r, f).get(row)
+                if got is None:
+                    continue
+                if not isinstance(got[2], dict) or {"choice", "seconds"} - set(got[2]):
+                    raise ResultStoreError(f"{store.path}: the stored fit {row!r} of repeat "
+                                           f"{r} fold {f} lacks its choice or seconds; "
+                                           "remove the file.")
+                done[row][r, f] = (got[0], got[2]["choice"], float(got[2]["seconds"]))
+    reused = {row: len(done[row]) for row in rows if done[row]}
+    todo = {row: [s for s in splits if (s[0], s[1]) not in done[row]] for row in rows}
+    if "judge" in rows and done["judge"]:
+        todo["judge"] = []
+
+    # ---- whole-set passes (unsupervised), only for rows with fits to compute
+    times, skipped, extracted = {}, [], {}
 
     def timed(key, fn):
         t = time.perf_counter()
-        out = fn()
+        value = fn()
         times[key] = times.get(key, 0.0) + time.perf_counter() - t
-        return out
+        return value
 
-    common = dict(prompt=template, dtype=settings.dtype)
-    # ---- whole-set passes (unsupervised: features and the judge's scores)
-    A = H = None
-    if {"locator_probe", "top_locator_head"} & set(rows):
+    head_rows = [r for r in ("locator_probe", "top_locator_head") if r in rows]
+    if head_rows and (settings.extract_only or any(todo[r] for r in head_rows)):
         ext = TurnActivationTransformer(settings.model, read="last", sites="head_attn",
                                         cache_dir=settings.cache_dir, verbose=1, **common)
         _say(log, f"head-attention features of {len(convs)} conversations ({n_tokens:,} "
                   "prompt tokens, read 'last')")
-        H = timed("features head_attn", lambda: ext.fit_transform(convs))
-    if "recommended" in rows:
-        acts, selector = make_configuration(RECOMMENDED, settings.model, verbose=1,
-                                            cache_dir=settings.cache_dir, **common)
+        cell.H = timed("features head_attn", lambda: ext.fit_transform(convs))
+        extracted["features head_attn"] = _extraction_counts(ext)
+    elif head_rows:
+        skipped.append("features head_attn")
+    if "recommended" in rows and (settings.extract_only or todo["recommended"]):
+        acts, cell.selector = make_configuration(RECOMMENDED, settings.model, verbose=1,
+                                                 cache_dir=settings.cache_dir, **common)
         _say(log, f"activations of the recommended configuration ({RECOMMENDED})")
-        A = timed("features recommended", lambda: acts.fit_transform(convs))
-    if "judge" in rows:
-        judge = PromptedJudge(settings.model, verbose=1, **common)
-        P_judge = timed("judge", lambda: judge.fit(convs, y).predict(convs))
-        P["judge"][:] = P_judge[None, :]
+        cell.A = timed("features recommended", lambda: acts.fit_transform(convs))
+        extracted["features recommended"] = _extraction_counts(acts)
+    elif "recommended" in rows:
+        skipped.append("features recommended")
+    if settings.extract_only:
+        for key, (n_new, n_cached) in extracted.items():
+            _say(log, f"extract-only, {key}: {n_new} conversations extracted, {n_cached} "
+                      f"already cached, of {len(convs)} (cache {settings.cache_dir})")
+        if not extracted:
+            _say(log, f"extract-only: rows {rows} read no whole-set features; nothing done")
+        return {"extract_only": True,
+                "extracted": {k: {"extracted": a, "cached": b}
+                              for k, (a, b) in extracted.items()},
+                "times": {k: round(v, 1) for k, v in times.items()}}
 
-    for r, f, train, test in _folds(splits, "outer fits"):
-        if "locator_probe" in rows:
-            pred, info = timed("locator_probe",
-                               lambda: _locator_probe(H, y, groups, train, test, settings))
-            P["locator_probe"][r, test] = pred
-            infos["locator_probe"].append(info)
-        if "top_locator_head" in rows:
-            site, head, mass = top_locator_head(H[train], y[train])
-            P["top_locator_head"][r, test] = _predict_with_head(H[test], site, head)
-            infos["top_locator_head"].append({"site": site, "head": head, "mass": mass})
-        if "grafted_judge" in rows:
-            gj = GraftedJudge(settings.model, locator_grid=list(settings.locator_grid),
-                              writer_grid=list(settings.writer_grid),
-                              cv=GroupKFold(settings.inner_folds), **common)
-            convs_tr = [convs[i] for i in train]
-            timed("grafted_judge", lambda: gj.fit(convs_tr, y[train], groups=groups[train]))
-            P["grafted_judge"][r, test] = timed(
-                "grafted_judge", lambda: gj.predict([convs[i] for i in test]))
-            infos["grafted_judge"].append({"n_locators": len(gj.locator_heads_),
-                                           "n_writers": len(gj.writer_heads_)})
-        if "recommended" in rows:
-            sel = clone(selector)
-            timed("recommended", lambda: sel.fit(A[train], y[train],
-                                                 groups=groups[train]))
-            P["recommended"][r, test] = sel.predict(A[test])
-            infos["recommended"].append({"sites": list(sel.best_sites_),
-                                         "C": sel.best_params_["C"]})
-        ctr, cte = [convs[i] for i in train], [convs[i] for i in test]
-        for name, featurizer in (("position", TurnPositionTransformer()),
-                                 ("tfidf", TurnTextTransformer())):
-            if name in rows:  # the featurizer is fitted on the training part only
-                featurizer.fit(ctr)
-                gs = grid_search_C(featurizer.transform(ctr), y[train], groups[train],
-                                   Cs=settings.baseline_Cs, inner=settings.inner_folds,
-                                   n_jobs=1, random_state=0)
-                P[name][r, test] = gs.predict(featurizer.transform(cte))
-                infos[name].append({"C": gs.best_params_["C"]})
-        if "most_frequent" in rows:
-            d = DummyStepClassifier(strategy="most_frequent").fit(ctr, y[train])
-            P["most_frequent"][r, test] = d.predict(cte)
+    # ---- the rows' outer fits: stored at once, logged one line each
+    def finish(row, r, f, pred, info, seconds):
+        info = _json_ready(info)
+        done[row][r, f] = (np.asarray(pred, dtype=np.int64), info, seconds)
+        if row in stores:
+            stores[row].put(r, f, {row: (pred, None, {"choice": info, "seconds": seconds})})
+
+    n_fits = len(splits)
+    for row in rows:
+        if row == "judge":
+            if todo["judge"]:
+                t = time.perf_counter()
+                judge = PromptedJudge(settings.model, verbose=1, **common)
+                pred = judge.fit(convs, y).predict(convs)
+                finish("judge", 0, 0, pred, {}, time.perf_counter() - t)
+                _say(log, f"judge: {len(convs)} conversations in "
+                          f"{done['judge'][0, 0][2]:.1f}s (fitted once, all outer fits)")
+            continue
+        if not todo[row]:
+            continue
+        t = time.perf_counter()
+        for r, f, pred, info in _FITS[row](cell, _folds(todo[row], f"{row} outer fits")):
+            finish(row, r, f, pred, info, time.perf_counter() - t)
+            _say(log, f"{row}: repeat {r} fold {f} done in {done[row][r, f][2]:.1f}s "
+                      f"({len(done[row])}/{n_fits} outer fits, {time.perf_counter() - t_all:.0f}s "
+                      "elapsed)")
+            t = time.perf_counter()
+
+    P = {row: np.full((settings.repeats, len(convs)), -1, dtype=np.int64) for row in rows}
+    infos = {row: [] for row in rows}
+    for row in rows:
+        if row == "judge":
+            pred, _, seconds = done["judge"][0, 0]
+            P["judge"][:] = pred[None, :]
+            times["judge"] = seconds
+            continue
+        for r, f, _, test in splits:
+            pred, info, seconds = done[row][r, f]
+            P[row][r, test] = pred
+            if info:  # most_frequent chooses nothing
+                infos[row].append(info)
+            times[row] = times.get(row, 0.0) + seconds
 
     summary, per_conv = summarize_predictions(P, y, convs, groups,
                                               n_resamples=settings.n_resamples)
+
     pairs = [(a, b) for a, b in _PAIRS if a in rows and b in rows]
     diffs = paired_differences(per_conv, pairs, groups, n_resamples=settings.n_resamples)
     gap = (gap_closed(per_conv, groups, n_resamples=settings.n_resamples)
@@ -328,8 +544,8 @@ def run_locator_benchmark(settings, conversations, *, subset_label=None, log=Non
         "machine": _machine(), "command": settings.command,
         "predictions": {k: v.tolist() for k, v in P.items()},
     }
-    out = Path(settings.out)
-    stem = f"locators_{tag}_{subset}"
+    if settings.resume:
+        result["resumed"] = {"fits_reused": reused, "passes_not_rerun": skipped}
     write_json(out / f"{stem}.json", result, indent=1)
     md = locator_markdown(result)
     (out / f"{stem}.md").write_text(md)
@@ -370,6 +586,13 @@ def locator_markdown(result):
     lines += ["", f"Bare forward pass of the {result['n_prompt_tokens_last']:,} prompt tokens: "
               f"{result['bare_forward_s']} s (calibrated rate). Machine: {result['machine']}; "
               f"dtype {result['dtype']}; total {result['total_s']} s.", ""]
+    resumed = result.get("resumed") or {}
+    if resumed.get("fits_reused"):
+        lines += ["Resumed (--resume): outer fits read from the per-row stores ("
+                  + ", ".join(f"{k} {v}" for k, v in resumed["fits_reused"].items())
+                  + "); a stored fit's seconds are those measured when it ran"
+                  + (f"; not rerun, so not timed: {', '.join(resumed['passes_not_rerun'])}"
+                     if resumed.get("passes_not_rerun") else "") + ".", ""]
     if result.get("command"):
         lines += [f"Command: `{result['command']}`", ""]
     return "\n".join(lines)

@@ -5,9 +5,13 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+import skafa.benchmarks._locators as locators
 from skafa import TurnFeatures
 from skafa.benchmarks import LOCATOR_ROWS, gap_closed, top_locator_head
+from skafa.llm import shared_memory_cache
+from skafa.model_selection import FoldResultStore, ResultStoreError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -35,6 +39,93 @@ def test_benchmark_locators_smoke(tmp_path):
     md = (out / "locators_smoke_Algorithm-Generated.md").read_text()
     assert "| locator_probe |" in md and "× one bare forward pass" in md
     assert all(v >= 0 for v in result["cost_vs_bare_forward"].values())
+
+
+# rows that need neither a judge nor the probes' inner searches: a run takes a second
+FAST_ROWS = "top_locator_head,position,most_frequent"
+STEM = "locators_smoke_Algorithm-Generated"
+
+
+def _count_calls(monkeypatch, name, fail_on=None):
+    """Count the runner's calls of ``name``; raise on call number ``fail_on``."""
+    real, calls = getattr(locators, name), []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == fail_on:
+            raise RuntimeError("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(locators, name, counted)
+    return calls
+
+
+def test_resume_after_an_interruption_gives_the_uninterrupted_result(tmp_path, monkeypatch):
+    bench = _load("benchmark_locators")
+    out, cache = tmp_path / "out", str(tmp_path / "c")
+    args = ["--smoke", "--rows", FAST_ROWS, "--cache-dir", cache]
+    whole = bench.main(args + ["--out", str(tmp_path / "whole")])
+    # killed in the second outer fit of the first row
+    calls = _count_calls(monkeypatch, "top_locator_head", fail_on=2)
+    with pytest.raises(RuntimeError, match="killed"):
+        bench.main(args + ["--out", str(out), "--resume"])
+    store = out / f"{STEM}.partial-top_locator_head.json"
+    assert list(json.loads(store.read_text())["entries"]) == ["0|0"]
+    assert not (out / f"{STEM}.json").exists()
+    # resumed: only the missing fit is computed
+    calls = _count_calls(monkeypatch, "top_locator_head")
+    resumed = bench.main(args + ["--out", str(out), "--resume"])
+    assert len(calls) == 1
+    assert resumed["resumed"]["fits_reused"] == {"top_locator_head": 1}
+    for key in ("predictions", "choices", "summary", "paired"):
+        assert resumed[key] == whole[key], key
+    # everything stored: no fit and no head-attention features pass at all
+    calls = _count_calls(monkeypatch, "top_locator_head")
+    features = _count_calls(monkeypatch, "TurnActivationTransformer")
+    again = bench.main(args + ["--out", str(out), "--resume"])
+    assert calls == [] and features == []
+    assert again["resumed"]["passes_not_rerun"] == ["features head_attn"]
+    assert again["predictions"] == whole["predictions"]
+    assert again["choices"] == whole["choices"]
+    assert "Resumed (--resume)" in (out / f"{STEM}.md").read_text()
+
+
+def test_resume_refuses_a_store_of_other_settings(tmp_path):
+    bench = _load("benchmark_locators")
+    args = ["--smoke", "--rows", "most_frequent", "--out", str(tmp_path), "--resume"]
+    bench.main(args)
+    store = tmp_path / f"{STEM}.partial-most_frequent.json"
+    before = store.read_text()
+    with pytest.raises(ResultStoreError, match="partial-most_frequent.json was written "
+                                               "with other settings"):
+        bench.main(args + ["--max-prompt-tokens", "256"])  # another prompt budget
+    assert store.read_text() == before  # refused, not mixed in or overwritten
+    FoldResultStore(tmp_path / f"{STEM}.partial-position.json", {"folds": 9}).put(
+        0, 0, {"position": (np.zeros(3), None, {})})
+    with pytest.raises(ResultStoreError, match="partial-position.json"):
+        bench.main(args[:2] + ["position"] + args[3:])
+
+
+def test_extract_only_fills_the_cache_and_writes_no_result(tmp_path):
+    bench = _load("benchmark_locators")
+    out, cache = tmp_path / "out", tmp_path / "c"
+    args = ["--smoke", "--rows", "locator_probe,recommended,position", "--out", str(out),
+            "--extract-only"]
+    with pytest.raises(ValueError, match="needs cache_dir"):
+        bench.main(args)
+    with pytest.raises(ValueError, match="unknown rows"):
+        bench.main(["--smoke", "--rows", "locator_prob", "--out", str(out)])
+    shared_memory_cache().clear()  # earlier tests' features would be memory hits
+    first = bench.main(args + ["--cache-dir", str(cache)])
+    assert first["extract_only"] and first["extracted"] == {
+        "features head_attn": {"extracted": 20, "cached": 0},
+        "features recommended": {"extracted": 20, "cached": 0}}
+    assert any(p.is_file() for p in cache.rglob("*"))
+    assert not out.exists()  # no fit, no result file, no store
+    shared_memory_cache().clear()
+    again = bench.main(args + ["--cache-dir", str(cache)])
+    assert again["extracted"] == {"features head_attn": {"extracted": 0, "cached": 20},
+                                  "features recommended": {"extracted": 0, "cached": 20}}
 
 
 def test_top_locator_head_picks_the_head_on_the_decisive_turn():
