@@ -14,7 +14,9 @@ Usage (from the repository root)::
 
 Results: ``--out`` (default ``docs/results``) gets ``locators_<tag>_<subset>.json`` and
 ``.md``. With ``--resume`` every finished outer fit of every row is kept at once in
-``<out>/locators_<tag>_<subset>.partial-<row>.json``: run the same command again after
+``<out>/locators_<tag>_<subset>.partial-<row>.json`` (and the grafted judge's head
+statistics and graft scores, conversation by conversation, in
+``...partial-grafted_judge-scores.json``): run the same command again after
 an interruption and only the missing fits are computed (the whole-set passes only for
 rows that still need them). ``--extract-only`` fills ``--cache-dir`` with the
 head-attention features and the recommended configuration's activations and stops.

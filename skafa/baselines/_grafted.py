@@ -29,8 +29,11 @@ graft active during the prompt's forward pass.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import numbers
 import time
+from pathlib import Path
 
 import numpy as np
 from sklearn.model_selection import GroupKFold, KFold
@@ -38,13 +41,14 @@ from sklearn.utils import Bunch
 
 from ..llm import (
     banded_sliding_window_attention,
+    conversation_content,
     decoder_layout,
     has_sliding_window,
     head_attention_rows,
     kv_cache_argument,
     turn_attention_mass,
 )
-from ..model_selection import grouped_splits
+from ..model_selection import ResultStoreError, grouped_splits, read_json, write_json
 from ..utils.progress import log
 from ..utils.sklearn_compat import Interval, fit_context
 from ..utils.validation import group_labels
@@ -349,6 +353,105 @@ def _choose_pair(pairs, split_scores, splits):
     return best, mean
 
 
+class _GraftStore:
+    """Head statistics and graft scores of :func:`grafted_split_predictions` on disk.
+
+    One JSON file, rewritten atomically after every conversation, so a killed run
+    resumes where it stopped and gives the same numbers (floats round-trip
+    exactly). A file is read as untrusted: its ``signature`` (model, dtype,
+    prompt, answer prefix, mix, the conversations' contents and labels) must equal
+    this run's, and every entry is checked against the conversations (index
+    range, head grid, number of candidates) before use.
+    """
+
+    FORMAT = "skafa.grafted-split-store"
+    VERSION = 1
+
+    def __init__(self, path, signature, n_layers, n_heads, n_candidates):
+        self.path = Path(path)
+        self.signature = json.loads(json.dumps(signature, sort_keys=True, default=str))
+        self.shape = (int(n_layers), int(n_heads))
+        self.n_candidates = list(n_candidates)
+        self.stats, self.scores = {}, {}
+        if self.path.exists():
+            self._read(read_json(self.path))
+
+    def _bad(self, what):
+        raise ResultStoreError(f"{self.path}: {what}; remove the file (it was not written "
+                               "by this run's settings or is damaged).")
+
+    def _matrix(self, value, where, nan_ok):
+        L, H = self.shape
+        if (not isinstance(value, list) or len(value) != L
+                or any(not isinstance(row, list) or len(row) != H for row in value)):
+            self._bad(f"{where} is not a {L} x {H} list")
+        out = np.empty((L, H), dtype=np.float64)
+        for a, row in enumerate(value):
+            for b, v in enumerate(row):
+                if v is None and nan_ok:
+                    out[a, b] = np.nan
+                elif isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v):
+                    out[a, b] = v
+                else:
+                    self._bad(f"{where}[{a}][{b}] is {v!r}, not a finite number")
+        return out
+
+    def _head(self, value, where):
+        L, H = self.shape
+        if (not isinstance(value, list) or len(value) != 2
+                or any(isinstance(v, bool) or not isinstance(v, int) for v in value)
+                or not (0 <= value[0] < L and 0 <= value[1] < H)):
+            self._bad(f"{where} is {value!r}, not a head [layer, head] of the {L} x {H} grid")
+        return (int(value[0]), int(value[1]))
+
+    def _read(self, data):
+        if not isinstance(data, dict) or data.get("format") != self.FORMAT:
+            self._bad(f"not a {self.FORMAT} file")
+        if data.get("version") != self.VERSION:
+            self._bad(f"version {data.get('version')!r}, this skafa writes {self.VERSION}")
+        if data.get("signature") != self.signature:
+            self._bad("written for other conversations, labels, model or settings")
+        n = len(self.n_candidates)
+        stats, scores = data.get("stats"), data.get("scores")
+        if not isinstance(stats, list) or not isinstance(scores, list):
+            self._bad("'stats' and 'scores' must be lists")
+        for k, entry in enumerate(stats):
+            if not isinstance(entry, list) or len(entry) != 3:
+                self._bad(f"stats[{k}] is not [conversation, locator, writer]")
+            i = entry[0]
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+                self._bad(f"stats[{k}] names conversation {i!r} (there are {n})")
+            self.stats[i] = (self._matrix(entry[1], f"stats[{k}] locator", False),
+                             self._matrix(entry[2], f"stats[{k}] writer", True))
+        for k, entry in enumerate(scores):
+            if not isinstance(entry, list) or len(entry) != 4:
+                self._bad(f"scores[{k}] is not [conversation, locators, writers, scores]")
+            i, locs, wris, values = entry
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+                self._bad(f"scores[{k}] names conversation {i!r} (there are {n})")
+            if not isinstance(locs, list) or not isinstance(wris, list):
+                self._bad(f"scores[{k}]: locators and writers must be lists of heads")
+            config = (tuple(self._head(h, f"scores[{k}] locator") for h in locs),
+                      tuple(self._head(h, f"scores[{k}] writer") for h in wris))
+            if (not isinstance(values, list) or len(values) != self.n_candidates[i]
+                    or any(isinstance(v, bool) or not isinstance(v, (int, float))
+                           or not np.isfinite(v) for v in values)):
+                self._bad(f"scores[{k}] does not hold {self.n_candidates[i]} finite scores "
+                          f"for conversation {i}")
+            self.scores[i, config] = np.asarray(values, dtype=np.float64)
+
+    def save(self):
+        def matrix(m):
+            return [[None if not np.isfinite(v) else float(v) for v in row] for row in m]
+
+        write_json(self.path, {
+            "format": self.FORMAT, "version": self.VERSION, "signature": self.signature,
+            "stats": [[i, matrix(a), matrix(b)] for i, (a, b) in sorted(self.stats.items())],
+            "scores": [[i, [list(h) for h in c[0]], [list(h) for h in c[1]],
+                        [float(v) for v in values]]
+                       for (i, c), values in sorted(self.scores.items())]})
+
+
 # ----------------------------------------------------------------------------- estimator
 class GraftedJudge(_StepJudge):
     """Prompted judge whose writer heads read where its locator heads look.
@@ -572,11 +675,15 @@ n_conversations_fit_
         return _AnswerSession(lm, plan.prefixes[i], plan.continuations[i], plan.number_mask,
                               plan.pad_id)
 
-    def _head_statistics(self, lm, convs, plan, steps):
+    def _head_statistics(self, lm, convs, plan, steps, store=None):
         """Per conversation and head: mass on the decisive turn, direct-effect contrast."""
         locator, writer = [], []
         start = time.perf_counter()
         for i, enc in enumerate(plan.encodings):
+            if store is not None and i in store.stats:
+                locator.append(store.stats[i][0])
+                writer.append(store.stats[i][1])
+                continue
             firsts = [int(c[0]) for c in plan.continuations[i]]
             tokens = sorted(set(firsts))
             _, rows, direct = self._session(lm, plan, i).step(direct_tokens=tokens)
@@ -590,6 +697,10 @@ n_conversations_fit_
                 writer.append(direct[..., true] - direct[..., others].mean(-1))
             else:  # every candidate starts with the same token: no contrast
                 writer.append(np.full(direct.shape[:2], np.nan))
+            if store is not None:
+                store.stats[i] = (np.asarray(locator[-1], dtype=np.float64),
+                                  np.asarray(writer[-1], dtype=np.float64))
+                store.save()
             self._log(start, i + 1, len(convs), [i], convs, [len(plan.prefixes[i])])
         return np.stack(locator).astype(np.float64), np.stack(writer).astype(np.float64)
 
@@ -610,7 +721,7 @@ n_conversations_fit_
             return list(cv.split(convs, steps, groups))
         return grouped_splits(self.cv, convs, steps, {"groups": groups}, task_ids)
 
-    def _graft_scores(self, lm, convs, plan, requests):
+    def _graft_scores(self, lm, convs, plan, requests, store=None):
         """Candidate scores of conversation ``i`` under each graft ``requests[i]`` asks for.
 
         A graft that changes nothing is scored by the prompted judge's own path
@@ -624,7 +735,11 @@ n_conversations_fit_
             ``{(i, (locators, writers)): scores}``.
         """
         mix = float(self.mix)
-        out = {}
+        out = {} if store is None else {key: store.scores[key] for key in
+                                        ((i, c) for i, configs in requests.items()
+                                         for c in configs) if key in store.scores}
+        requests = {i: [c for c in configs if (i, c) not in out]
+                    for i, configs in requests.items()}
         plain = sorted(i for i, configs in requests.items()
                        if any(not _active(c, mix) for c in configs))
         if plain:
@@ -635,6 +750,10 @@ n_conversations_fit_
                 for config in requests[i]:
                     if not _active(config, mix):
                         out[i, config] = scores
+                        if store is not None:
+                            store.scores[i, config] = np.asarray(scores, dtype=np.float64)
+            if store is not None:
+                store.save()
         grafted = sorted(i for i, configs in requests.items()
                          if any(_active(c, mix) for c in configs))
         start = time.perf_counter()
@@ -646,7 +765,11 @@ n_conversations_fit_
                     grafts = _graft_rows(rows, list(config[0]), list(config[1]), mix)
                     override = {head: w[None, :] for head, w in grafts.items()}
                     out[i, config] = session.step(override=override)[0]
+                    if store is not None:
+                        store.scores[i, config] = np.asarray(out[i, config], dtype=np.float64)
             del session
+            if store is not None:
+                store.save()
             log(self, 2, f"grafted {len(requests[i])} heads' choices on {done}/{len(grafted)} "
                          f"conversations, {time.perf_counter() - start:.2f} s")
         return out
@@ -667,15 +790,19 @@ n_conversations_fit_
         return [scores[i, config] for i in range(len(convs))]
 
     @fit_context(prefer_skip_nested_validation=True)
-    def _split_predictions(self, X, y, splits, groups):
+    def _split_predictions(self, X, y, splits, groups, store):
         """:func:`grafted_split_predictions` on this (unfitted copy of the) judge."""
         pairs = self._pairs()
         convs, lm, tokenizer = self._fit_model(X, None)
         steps = self._check_decisive_steps(y, convs)
         groups = None if groups is None else np.asarray(groups)
         plan = self._candidate_plan(convs, lm, tokenizer)
+        if store is not None:
+            store = self._open_store(store, convs, steps, plan, lm)
+            log(self, 1, f"store {store.path}: head statistics of {len(store.stats)} and "
+                         f"{len(store.scores)} graft scorings kept from an earlier run")
         log(self, 1, f"head statistics of {len(convs)} conversations (one pass each)")
-        locator_stats, writer_stats = self._head_statistics(lm, convs, plan, steps)
+        locator_stats, writer_stats = self._head_statistics(lm, convs, plan, steps, store)
         requests, fits = {}, []
         for train, test in splits:
             train, test = np.asarray(train, dtype=np.int64), np.asarray(test, dtype=np.int64)
@@ -694,7 +821,7 @@ n_conversations_fit_
         n_grafts = sum(len(v) for v in requests.values())
         log(self, 1, f"{n_grafts} (conversation, graft) scorings over {len(requests)} "
                      f"conversations (one prompt pass each)")
-        scores = self._graft_scores(lm, convs, plan, requests)
+        scores = self._graft_scores(lm, convs, plan, requests, store)
         predictions, infos = [], []
         for train, test, inner, configs, final in fits:
             self._set_choice(pairs, locator_stats, writer_stats, train, inner, configs,
@@ -710,8 +837,23 @@ n_conversations_fit_
                                                 self.cv_results_["mean_test_score"]])})
         return predictions, infos
 
+    def _open_store(self, path, convs, steps, plan, lm):
+        contents = json.dumps([conversation_content(c) for c in convs], sort_keys=True,
+                              ensure_ascii=False, default=str)
+        signature = {
+            "model_identity": self.model_identity_, "model_fingerprint": self.model_fingerprint_,
+            "dtype": str(self.dtype_), "prompt": self.prompt_.fingerprint(),
+            "answer_prefix": self.answer_prefix, "mix": float(self.mix),
+            "chat_template_kwargs": self.chat_template_kwargs,
+            "conversations": hashlib.sha256(contents.encode("utf-8")).hexdigest(),
+            "steps": [int(v) for v in steps]}
+        layout = decoder_layout(lm)
+        n_heads = int(lm.config.get_text_config().num_attention_heads)
+        return _GraftStore(path, signature, layout.n_layers, n_heads,
+                           [len(c) for c in plan.continuations])
 
-def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None):
+
+def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None, store=None):
     """Test predictions of a :class:`GraftedJudge` fitted on each split's training part.
 
     The result equals, split by split, ::
@@ -737,6 +879,13 @@ def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None):
         Index arrays into ``X``.
     groups : array-like of shape (n_conversations,), default=None
         Groups of the inner folds, as ``fit``'s ``groups``.
+    store : str or path-like, default=None
+        A JSON file that keeps every conversation's head statistics and graft
+        scores as soon as they are computed: run the same call again after an
+        interruption and only the missing ones are computed (the predictions
+        are the same). A file written for other conversations, labels, model,
+        prompt or ``mix`` is refused (:class:`~skafa.model_selection.ResultStoreError`),
+        as is a damaged one. ``None``: nothing is kept.
 
     Returns
     -------
@@ -761,4 +910,4 @@ def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None):
                         f"{type(judge).__name__}.")
     from sklearn.base import clone
 
-    return clone(judge)._split_predictions(X, y, list(splits), groups)
+    return clone(judge)._split_predictions(X, y, list(splits), groups, store)

@@ -250,6 +250,7 @@ class _Cell:
     H: object = None  # head-attention features (locator_probe, top_locator_head)
     A: object = None  # the recommended configuration's activations
     selector: object = None  # the recommended configuration's unfitted SiteSelector
+    graft_store: object = None  # with resume: the grafted judge's per-conversation store
 
 
 # Each row's outer fits: ``fits(cell, todo)`` yields ``(repeat, fold, test predictions,
@@ -278,7 +279,7 @@ def _fits_grafted_judge(cell, todo):
                          verbose=1, **cell.common)
     predictions, fits = grafted_split_predictions(
         judge, cell.convs, cell.y, [(train, test) for _, _, train, test in todo],
-        groups=cell.groups)
+        groups=cell.groups, store=cell.graft_store)
     for (r, f, _, _), pred, info in zip(todo, predictions, fits):
         yield r, f, pred, info
 
@@ -416,6 +417,8 @@ def run_locator_benchmark(settings, conversations, *, subset_label=None, log=Non
     stem = f"locators_{tag}_{subset}"
     common = dict(prompt=template, dtype=settings.dtype)
     cell = _Cell(settings, convs, y, groups, common)
+    if settings.resume:  # head statistics and graft scores, kept conversation by conversation
+        cell.graft_store = out / f"{stem}.partial-grafted_judge-scores.json"
 
     # ---- stored fits (resume): each row's store is opened, and checked, before any pass
     stores, done = {}, {r: {} for r in rows}  # done[row][(r, f)] = (pred, info, seconds)

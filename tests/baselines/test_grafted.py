@@ -329,3 +329,53 @@ def test_split_predictions_validate_like_fit(tiny, convs):
     with pytest.raises(ValueError, match="mix"):
         grafted_split_predictions(GraftedJudge(LLAMA, mix=2.0), convs,
                                   splits=[(np.arange(4), np.arange(4, 8))])
+
+
+def test_split_predictions_resume_from_their_store(tiny, convs, tmp_path, monkeypatch):
+    import json
+
+    from skafa.baselines import _grafted, grafted_split_predictions
+    from skafa.model_selection import ResultStoreError
+
+    groups = np.array([c.task_id for c in convs])
+    y = _steps(convs)
+    splits = [(np.arange(5), np.arange(5, 8)), (np.arange(3, 8), np.arange(3))]
+    judge = GraftedJudge(LLAMA, locator_grid=(1, 2), writer_grid=(1,), cv=GroupKFold(2))
+    expected, _ = grafted_split_predictions(judge, convs, y, splits, groups=groups)
+    path = tmp_path / "graft.json"
+    real = _grafted._AnswerSession.step
+    calls, killed = [], []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 12 and not killed:  # after the statistics, inside the grafts
+            killed.append(1)
+            raise RuntimeError("killed")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(_grafted._AnswerSession, "step", failing)
+    with pytest.raises(RuntimeError, match="killed"):
+        grafted_split_predictions(judge, convs, y, splits, groups=groups, store=path)
+    kept = json.loads(path.read_text())
+    assert len(kept["stats"]) == len(convs) and kept["scores"]
+    calls.clear()
+    got, _ = grafted_split_predictions(judge, convs, y, splits, groups=groups, store=path)
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)
+    resumed = len(calls)
+    calls.clear()
+    grafted_split_predictions(judge, convs, y, splits, groups=groups, store=path)
+    assert calls == [] and resumed > 0  # a finished store answers everything
+    # another mix, other labels, a damaged entry: refused, naming the file
+    with pytest.raises(ResultStoreError, match="graft.json"):
+        grafted_split_predictions(clone(judge).set_params(mix=0.5), convs, y, splits,
+                                  groups=groups, store=path)
+    with pytest.raises(ResultStoreError, match="other conversations"):
+        grafted_split_predictions(judge, convs, (y + 1) % 2, splits, groups=groups,
+                                  store=path)
+    for damage in ({"stats": [[99, [], []]]}, {"scores": [[0, [[7, 0]], [[0, 0]], [0.0]]]},
+                   {"scores": [[0, [[0, 0]], [[0, 1]], [0.0]]]}, {"version": 9}):
+        bad = dict(kept, **damage)
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ResultStoreError, match="remove the file"):
+            grafted_split_predictions(judge, convs, y, splits, groups=groups, store=path)
