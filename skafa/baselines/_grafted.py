@@ -45,14 +45,19 @@ from ..llm import (
     decoder_layout,
     has_sliding_window,
     head_attention_rows,
-    kv_cache_argument,
     turn_attention_mass,
 )
 from ..model_selection import ResultStoreError, grouped_splits, read_json, write_json
 from ..utils.progress import log
 from ..utils.sklearn_compat import Interval, fit_context
 from ..utils.validation import group_labels
-from ._judge import _output_cache, _score_packed, _StepJudge, score_candidates
+from ._judge import (
+    _output_cache,
+    _score_packed,
+    _StepJudge,
+    packed_queries,
+    score_candidates,
+)
 
 __all__ = ["GraftedJudge", "grafted_split_predictions", "head_direct_effects"]
 
@@ -96,10 +101,11 @@ def _linear_norm(norm, c, ref):
 
 
 class _DirectCapture:
-    """Hooks keeping, at the last query token of each call, what direct effects need."""
+    """Hooks keeping, at query ``row`` of each call, what direct effects need."""
 
-    def __init__(self, layout, active):
-        self.layout, self.active, self.captured, self.handles = layout, active, {}, []
+    def __init__(self, layout, active, row=-1):
+        self.layout, self.active, self.row = layout, active, row
+        self.captured, self.handles = {}, []
 
     def __enter__(self):
         if not self.active:
@@ -108,7 +114,7 @@ class _DirectCapture:
         def keep(key):
             def hook(module, args, output=None):
                 value = args[0] if output is None else output
-                self.captured[key] = value[0, -1].detach().float()
+                self.captured[key] = value[0, self.row].detach().float()
             return hook
 
         for layer_index, layer in enumerate(self.layout.layers):
@@ -204,23 +210,27 @@ class _AnswerSession:
 
         if self.cache is None:
             return self._full_step(override, direct_tokens)
+        # one pass: the answer position (query 0) and the candidates packed behind it
         n = len(self.prefix)
-        ids = torch.as_tensor(self.prefix[None, -1:], device=self.device)
-        kv = {kv_cache_argument(self.lm): self.cache}
+        width = n + packed_queries([self.continuations], lead=True) - 1  # keys of the pass
+        if override:
+            padded = {}
+            for head, w in override.items():
+                w = np.asarray(w, dtype=np.float32)
+                padded[head] = np.concatenate(
+                    [w, np.zeros(w.shape[:-1] + (width - w.shape[-1],), np.float32)], -1)
+            override = padded
+        mask2d = torch.ones((1, self.base), dtype=torch.long)
         try:
-            with _DirectCapture(self.layout, direct_tokens is not None) as capture, \
+            with _DirectCapture(self.layout, direct_tokens is not None, row=0) as capture, \
                     torch.inference_mode(), \
-                    head_attention_rows(self.lm, [-1], override=override) as recorded:
-                out = self.lm(input_ids=ids, position_ids=torch.tensor([[n - 1]], device=self.device),
-                              use_cache=True, logits_to_keep=1, **kv)
-            first_logp = torch.log_softmax(out.logits[:, -1, :].float(), dim=-1)
-            mask2d = torch.ones((1, n), dtype=torch.long)
-            scores = _score_packed(self.lm, self.cache, first_logp, mask2d, [n],
-                                   [self.continuations], self.number_mask, self.pad_id,
-                                   self.device)[0]
+                    head_attention_rows(self.lm, [0], override=override) as recorded:
+                scores = _score_packed(self.lm, self.cache, None, mask2d, [self.base],
+                                       [self.continuations], self.number_mask, self.pad_id,
+                                       self.device, lead=[int(self.prefix[-1])])[0]
         finally:
             _rollback(self.cache, self.base)
-        rows = recorded.stacked()[:, 0, :, 0, :]
+        rows = recorded.stacked()[:, 0, :, 0, :n]
         direct = None
         if direct_tokens is not None:
             with torch.inference_mode():

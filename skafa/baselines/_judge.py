@@ -303,45 +303,57 @@ def score_candidates(model, prefixes, continuations, number_mask, *, pad_id=0,
                          lengths, continuations, number_mask, pad_id, device)
 
 
+def packed_queries(continuations, lead=False):
+    """Number of query tokens :func:`_score_packed` runs for these candidates."""
+    return int(lead) + max([1] + [sum(len(c) for c in conts) for conts in continuations])
+
+
 def _score_packed(model, cache, first_logp, mask2d, lengths, continuations, number_mask,
-                  pad_id, device):
+                  pad_id, device, lead=None):
     """Score every candidate of every sequence in one pass that continues ``cache``.
 
     ``cache`` holds the ``L = mask2d.shape[1]`` (left-padded) prefix tokens of each
     row, ``first_logp`` the log-distribution after each prefix, ``lengths`` the
     prefixes' true lengths. The candidates of row ``b`` are packed side by side
     behind its prefix under a 4-D mask (each sees its prefix and its own earlier
-    tokens; position ids continue the prefix's). The pass appends its tokens to
+    tokens; position ids continue the prefix's). With ``lead`` (one token id per
+    row), the prefix's last token is not in ``cache`` but runs first in the same
+    pass (query 0, seeing the cached tokens and itself), ``first_logp`` is read
+    from it and every candidate sees it too. The pass appends its tokens to
     ``cache``.
     """
     import torch
 
     B, L = mask2d.shape
+    k = 0 if lead is None else 1
 
-    # Pack every candidate of sequence b into one row.
+    # Pack every candidate of sequence b into one row (behind the lead token, if any).
     starts = []
-    Q = 1
+    Q = packed_queries(continuations, lead is not None)
     for conts in continuations:
-        offs = np.concatenate([[0], np.cumsum([len(c) for c in conts])]).astype(int)
+        offs = np.concatenate([[0], np.cumsum([len(c) for c in conts])]).astype(int) + k
         starts.append(offs)
-        Q = max(Q, int(offs[-1]))
     ids = torch.full((B, Q), int(pad_id), dtype=torch.long)
     positions = torch.zeros((B, Q), dtype=torch.long)
     allowed = torch.zeros((B, Q, L + Q), dtype=torch.bool)
     allowed[:, :, :L] = mask2d[:, None, :].bool()
     for b, conts in enumerate(continuations):
         offs = starts[b]
+        if k:
+            ids[b, 0] = int(lead[b])
+            positions[b, 0] = lengths[b]
+            allowed[b, :, L] = True  # every query sees the lead; the lead sees itself
         for c, toks in enumerate(conts):
             s, m = int(offs[c]), len(toks)
             ids[b, s:s + m] = torch.as_tensor(toks, dtype=torch.long)
-            positions[b, s:s + m] = lengths[b] + torch.arange(m)
+            positions[b, s:s + m] = lengths[b] + k + torch.arange(m)
             allowed[b, s:s + m, L + s:L + s + m] = torch.ones(m, m, dtype=torch.bool).tril()
         used = int(offs[-1])
         if used < Q:  # padding queries: let them see themselves only (no NaN rows)
             q = torch.arange(used, Q)
             allowed[b, q, :] = False
             allowed[b, q, L + q] = True
-            positions[b, used:] = lengths[b]
+            positions[b, used:] = lengths[b] + k
     dtype = next(model.parameters()).dtype
     additive = torch.zeros(allowed.shape, dtype=dtype)
     additive.masked_fill_(~allowed, torch.finfo(dtype).min)
@@ -357,6 +369,8 @@ def _score_packed(model, cache, first_logp, mask2d, lengths, continuations, numb
     logits = out.logits.float()
     logp = torch.log_softmax(logits, dim=-1)
     end_logp = _end_of_number_logp(logits, number_mask)
+    if k:
+        first_logp = logp[:, 0]
 
     scores = []
     for b, conts in enumerate(continuations):
