@@ -45,7 +45,6 @@ from sklearn.pipeline import make_pipeline
 from ..baselines import (
     DummyStepClassifier,
     GraftedJudge,
-    PromptedJudge,
     grafted_split_predictions,
 )
 from ..compose import SiteConcatenator
@@ -73,6 +72,7 @@ from ..model_selection import (
 )
 from ..probes import GroupedArgmaxLogisticClassifier
 from ..utils.grouped import grouped_argmax
+from ._peers import judge_predictions
 from ._who_and_when import _folds, _machine, _open_cell, _say
 
 __all__ = ["LOCATOR_ROWS", "LocatorBenchmarkSettings", "gap_closed", "locator_markdown",
@@ -494,8 +494,11 @@ def run_locator_benchmark(settings, conversations, *, subset_label=None, log=Non
         if row == "judge":
             if todo["judge"]:
                 t = time.perf_counter()
-                judge = PromptedJudge(settings.model, verbose=1, **common)
-                pred = judge.fit(convs, y).predict(convs)
+                # per conversation into the cache (and, with resume, a score store), so
+                # an interrupted judge pass goes on where it stopped
+                pred = judge_predictions(
+                    settings, convs, common["prompt"], settings.cache_dir,
+                    store=out / f"{stem}.partial-judge-scores.json" if settings.resume else None)
                 finish("judge", 0, 0, pred, {}, time.perf_counter() - t)
                 _say(log, f"judge: {len(convs)} conversations in "
                           f"{done['judge'][0, 0][2]:.1f}s (fitted once, all outer fits)")

@@ -90,6 +90,33 @@ def test_resume_after_an_interruption_gives_the_uninterrupted_result(tmp_path, m
     assert "Resumed (--resume)" in (out / f"{STEM}.md").read_text()
 
 
+def test_an_interrupted_judge_goes_on_conversation_by_conversation(tmp_path, monkeypatch):
+    from skafa.baselines import PromptedJudge
+
+    bench = _load("benchmark_locators")
+    out = tmp_path / "out"
+    args = ["--smoke", "--rows", "judge", "--out", str(out), "--resume"]
+    whole = bench.main(["--smoke", "--rows", "judge", "--out", str(tmp_path / "whole")])
+    real, calls, killed = PromptedJudge.turn_decision_function, [], []
+
+    def scored(self, X):
+        calls.append(len(X))
+        if len(calls) == 6 and not killed:
+            killed.append(1)
+            raise RuntimeError("killed")
+        return real(self, X)
+
+    monkeypatch.setattr(PromptedJudge, "turn_decision_function", scored)
+    with pytest.raises(RuntimeError, match="killed"):
+        bench.main(args)
+    kept = json.loads((out / f"{STEM}.partial-judge-scores.json").read_text())
+    assert len(kept["entries"]) == 5
+    calls.clear()
+    resumed = bench.main(args)
+    assert sum(calls) == 20 - 5  # only the conversations not scored before
+    assert resumed["predictions"] == whole["predictions"]
+
+
 def test_resume_refuses_a_store_of_other_settings(tmp_path):
     bench = _load("benchmark_locators")
     args = ["--smoke", "--rows", "most_frequent", "--out", str(tmp_path), "--resume"]
