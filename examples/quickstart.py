@@ -81,6 +81,9 @@ def parse_args(argv=None):
                    help="compute dtype; auto: bfloat16 on a GPU or a CPU with bf16 units")
     p.add_argument("--n-resamples", type=int, default=2000, help="bootstrap resamples")
     p.add_argument("--seed", type=int, default=0, help="seed of splits and bootstrap")
+    p.add_argument("--n-jobs", type=int, default=-1,
+                   help="processes for the probe's site search and the baselines' C "
+                        "search (-1: all cores); the results do not depend on it")
     p.add_argument("--plan-only", action="store_true",
                    help="print the plan (prompt tokens, FLOPs, ETA from one calibration "
                         "pass) and stop before extracting")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import numpy as np
 from sklearn.model_selection import (
@@ -57,7 +58,9 @@ class MainJobSettings:
     sites the probe's site search compares (``"stride:K"``, ``"all"`` or a
     comma-separated list); ``cache_dir`` the activation cache (empty or None: memory
     only); ``batch_size``, ``device``, ``dtype`` go to the extraction; ``n_resamples``
-    and ``seed`` to the bootstrap and the splits.
+    and ``seed`` to the bootstrap and the splits; ``n_jobs`` to the probe's site
+    search and the baselines' C search (processes; the predictions do not depend
+    on it).
     """
 
     data: str
@@ -72,6 +75,7 @@ class MainJobSettings:
     n_resamples: int = 2000
     seed: int = 0
     plan_only: bool = False
+    n_jobs: int | None = -1
 
 
 @dataclasses.dataclass
@@ -131,7 +135,10 @@ def prepare_main_job(settings, *, log=None):
               f"{n_tasks} tasks, {np.mean([len(c) for c in convs]):.1f} turns on average")
 
     t = time.perf_counter()
-    model, tokenizer = load_model(settings.model, device=settings.device)
+    # with a cache dir, a GGUF model is read once and kept converted beside the cache
+    convert_dir = str(Path(settings.cache_dir) / "models") if settings.cache_dir else None
+    model, tokenizer = load_model(settings.model, device=settings.device,
+                                  convert_dir=convert_dir)
     ctx = context_length(model)
     n_layers = model.config.num_hidden_layers
     times["model load"] = time.perf_counter() - t
@@ -223,6 +230,7 @@ def _configured(job):
         device=s.device, dtype=s.dtype, cache_dir=s.cache_dir or None,
         batch_size=s.batch_size)
     extractor.set_params(**{"sites" if job.features == "acts" else "act__sites": job.sites})
+    selector.set_params(n_jobs=s.n_jobs)
     return extractor, selector
 
 
@@ -272,7 +280,7 @@ def _cross_validate(job, X_all, extractor, selector, log):
         search = GridSearchCV(
             make_attribution_pipeline(featurizer, GroupedArgmaxLogisticClassifier()),
             {"groupedargmaxlogisticclassifier__C": [0.001, 0.01, 0.1]},
-            cv=GroupKFold(n_splits=5))
+            cv=GroupKFold(n_splits=5), n_jobs=s.n_jobs)
         pred[name] = cross_val_predict(search, convs, y, groups=groups, cv=outer,
                                        params={"groups": groups})
     job.times["cross-validation (baselines)"] = time.perf_counter() - t

@@ -40,6 +40,7 @@ from ._cache import ActivationCache, activation_key
 from ._head_attention import head_attention_rows, turn_attention_mass
 from ._models import (
     ModelHandle,
+    _converted_dir,
     kv_cache_argument,
     load_checked_model,
     resolve_dtype,
@@ -489,11 +490,14 @@ def _task_model(job):
             "joblib.parallel_config(backend='threading').")
     check = json.dumps([str(job["model"]), job["device"], job["dtype"], job["identity"],
                         job["fingerprint"]], sort_keys=True, default=str)
-    model, _ = load_checked_model(job["model"], device=job["device"], dtype=job["dtype"])
+    convert_dir = _converted_dir(job["cache_dir"])
+    model, _ = load_checked_model(job["model"], device=job["device"], dtype=job["dtype"],
+                                  convert_dir=convert_dir)
     if _VERIFIED.get(id(model)) != check:
         load_checked_model(job["model"], device=job["device"], dtype=job["dtype"],
                            fingerprint=job["fingerprint"], identity=job["identity"],
-                           owner="TurnActivationTransformer (worker process)")
+                           owner="TurnActivationTransformer (worker process)",
+                           convert_dir=convert_dir)
         _VERIFIED[id(model)] = check
     return model
 
@@ -756,7 +760,10 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         (``"auto"`` resolved to float32 and ``"float32"`` share entries; ``"bfloat16"``
         and ``torch.bfloat16`` share entries).
     cache_dir : str or path-like, default=None
-        Directory of an on-disk activation cache shared across processes.
+        Directory of an on-disk activation cache shared across processes. A GGUF
+        model is also kept there, converted to safetensors, in
+        ``<cache_dir>/models`` (``load_model(convert_dir=...)``), so later
+        processes load it in seconds instead of re-parsing the GGUF file.
     memory_cache : bool, default=True
         Use the process-wide in-memory LRU cache
         (:func:`skafa.llm.shared_memory_cache`).
@@ -923,7 +930,8 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
     def _load(self, fingerprint=None):
         model, tokenizer = load_checked_model(
             self.model, device=self.device, dtype=getattr(self, "dtype_", self.dtype),
-            fingerprint=fingerprint, owner=type(self).__name__)
+            fingerprint=fingerprint, owner=type(self).__name__,
+            convert_dir=_converted_dir(self.cache_dir))
         self._model = model
         self._tokenizer = tokenizer
         self._layout = decoder_layout(model)

@@ -21,13 +21,19 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
+import shutil
+import stat
+import tempfile
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..persistence import register_model_locator, register_value_codec
+from ..utils.fileio import atomic_write_bytes, read_regular_file
 
 __all__ = [
     "load_model",
@@ -73,6 +79,13 @@ _DTYPES = ("float32", "float16", "bfloat16", "float64")
 _DIGESTS: dict = {}  # (resolved path, size, mtime_ns, inode) -> sha256 of the content
 _HASH_CHUNK = 1 << 22
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+# converted-model cache (load_model(convert_dir=...)): <convert_dir>/<GGUF sha256>/
+_CONVERTED_FORMAT = "skafa-converted-model"
+_CONVERTED_VERSION = 1
+_CONVERTED_MANIFEST = "skafa-converted.json"
+_CONVERTED_SUFFIXES = (".json", ".safetensors", ".jinja", ".txt", ".model")
+_CONVERTED_MARGIN = 64 << 20  # bytes kept free beyond the float32 weights
+_STALE_TMP_S = 6 * 3600  # a temporary folder this old was left by a killed conversion
 
 
 # --------------------------------------------------------------------------- short names
@@ -555,7 +568,7 @@ def _require_gguf():
 
 
 def load_model(model, *, tokenizer=None, device="cpu", dtype="auto", gguf_file=None,
-               trust_remote_code=False):
+               trust_remote_code=False, convert_dir=None):
     """Load a causal LM and its fast tokenizer, once per process.
 
     Parameters
@@ -584,6 +597,26 @@ default="auto"
         GGUF file name inside the folder or hub repository ``model``.
     trust_remote_code : bool, default=False
         Passed to transformers.
+    convert_dir : str or os.PathLike, default=None
+        Folder of converted GGUF models, for a local ``.gguf`` file (ignored for
+        other models). Reading a GGUF file with transformers parses it three times
+        in pure Python (config, tokenizer, weights: about 40 s for SmolLM2); with
+        ``convert_dir`` the first load also writes the float32 dequantised weights
+        (safetensors), the config and the fast tokenizer to
+        ``<convert_dir>/<sha256 of the GGUF file>/``, and later loads, in any
+        process, read that folder instead (a few seconds). The weights are
+        bit-identical either way, so the in-process cache, :func:`model_identity`
+        and :func:`model_fingerprint` (hence activation cache keys) do not depend
+        on it. The folder is checked before it is used (its manifest
+        ``skafa-converted.json``: format, GGUF digest, transformers major version,
+        and the SHA-256 of every file, which must be exactly the files present,
+        regular files, no links); a bad folder is reported with a
+        :class:`~skafa.exceptions.CacheCorruptionWarning`, removed and rebuilt
+        (one from another format or transformers major version is rebuilt
+        silently). It is written into a temporary folder and renamed, so
+        concurrent processes never see half a folder; it is not written (a
+        ``RuntimeWarning`` says why) when the disk lacks room for the float32
+        weights (4 bytes per parameter) or a write fails.
 
     Returns
     -------
@@ -603,9 +636,13 @@ default="auto"
     Notes
     -----
     The cache key is the normalised spec: kind, resolved absolute path or hub id,
-    GGUF file name, tokenizer source, dtype, device and ``trust_remote_code``.
-    Use :func:`clear_model_cache` to free memory.
+    GGUF file name, tokenizer source, dtype, device and ``trust_remote_code`` (not
+    ``convert_dir``: the model is the same). Use :func:`clear_model_cache` to free
+    memory.
     """
+    if convert_dir is not None and not isinstance(convert_dir, (str, os.PathLike)):
+        raise TypeError(f"load_model(convert_dir=...) takes a folder path, got "
+                        f"{type(convert_dir).__name__}.")
     device_name = _normalise_device(device)
     # invalid values raise, for every kind of model; the cache key holds the resolved name
     dtype_name = resolve_dtype(dtype, device_name, model=model)
@@ -627,12 +664,13 @@ default="auto"
     with _LOCK:
         if key in _CACHE:
             return _CACHE[key]
-        pair = _load(spec, tok_source, dtype_name, device_name, bool(trust_remote_code))
+        pair = _load(spec, tok_source, dtype_name, device_name, bool(trust_remote_code),
+                     convert_dir)
         _CACHE[key] = pair
         return pair
 
 
-def _load(spec, tok_source, dtype_name, device_name, trust_remote_code):
+def _load(spec, tok_source, dtype_name, device_name, trust_remote_code, convert_dir=None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -641,6 +679,11 @@ def _load(spec, tok_source, dtype_name, device_name, trust_remote_code):
         _require_gguf()
         kw["gguf_file"] = spec.gguf_file
     where = f"load_model({spec.path or spec.source!r})"
+    if convert_dir is not None and spec.kind == "gguf":
+        # float32 either way (read from the converted folder, or dequantised and saved)
+        lm, tok = _load_converted(spec, tok_source, kw, convert_dir, where)
+        lm = lm.to(dtype=getattr(torch, dtype_name)).to(device_name)
+        return _prepare(lm), tok
     if tok_source is None:
         tok = AutoTokenizer.from_pretrained(spec.source, **kw)
     else:
@@ -655,6 +698,380 @@ def _load(spec, tok_source, dtype_name, device_name, trust_remote_code):
         lm = AutoModelForCausalLM.from_pretrained(spec.source, dtype=torch_dtype, **kw)
     lm = lm.to(device_name)
     return _prepare(lm), tok
+
+
+# --------------------------------------------------------------------------- converted GGUF
+def _converted_dir(cache_dir):
+    """The converted-model folder that goes with an activation cache folder.
+
+    ``<cache_dir>/models`` (``None`` without a ``cache_dir``): what the
+    model-reading estimators pass as ``load_model(convert_dir=...)``.
+    """
+    if cache_dir is None:
+        return None
+    return os.path.join(os.path.expanduser(os.fspath(cache_dir)), "models")
+
+
+def _read_gguf(spec, kw):
+    """The float32 dequantised model and the embedded tokenizer of a GGUF file (slow)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(spec.source, **kw)
+    lm = AutoModelForCausalLM.from_pretrained(spec.source, **kw)
+    return lm, tok
+
+
+def _read_converted(folder, tok_source, trust_remote_code):
+    """Model (float32, safetensors only) and tokenizer from a checked converted folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    lm = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, use_safetensors=True, local_files_only=True,
+        trust_remote_code=False)
+    if tok_source is None:
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+                                            trust_remote_code=False)
+    else:
+        tok = AutoTokenizer.from_pretrained(tok_source, trust_remote_code=trust_remote_code)
+    return lm, tok
+
+
+def _load_converted(spec, tok_source, kw, convert_dir, where):
+    """Load a local GGUF model in float32 through its converted folder (see load_model)."""
+    from transformers import AutoTokenizer
+
+    from ..exceptions import CacheCorruptionWarning
+
+    gguf = Path(spec.path)
+    digest = _file_digest(gguf)
+    root = Path(os.path.expanduser(os.fspath(convert_dir)))
+    folder = root / digest
+    writable = True
+    if os.path.lexists(folder):
+        problem, stale = _converted_problem(folder, digest, gguf.stat().st_size)
+        if problem is None:
+            try:
+                lm, tok = _read_converted(folder, tok_source, kw["trust_remote_code"])
+            except Exception as exc:  # noqa: BLE001 - a checked folder transformers refuses
+                problem, stale = (f"transformers could not load it ({type(exc).__name__}: "
+                                  f"{exc})"), False
+            else:
+                _check_fast(tok, where)
+                # the names the GGUF path gives (they only appear in messages)
+                lm.config.name_or_path = spec.source
+                lm.name_or_path = spec.source
+                if tok_source is None:
+                    tok.name_or_path = spec.source
+                return lm, tok
+        writable = _discard(folder)
+        if not stale or not writable:
+            warnings.warn(
+                f"Converted model folder {folder} (of {spec.path}) is not usable: {problem}. "
+                + (f"It was removed and is rebuilt from {gguf.name}." if writable else
+                   f"It could not be removed, so the model is read from {gguf.name} and "
+                   "not cached; remove the folder by hand."),
+                CacheCorruptionWarning, stacklevel=4)
+    lm, tok = _read_gguf(spec, kw)
+    user_tok = tok
+    if tok_source is not None:
+        user_tok = AutoTokenizer.from_pretrained(tok_source,
+                                                 trust_remote_code=kw["trust_remote_code"])
+    _check_fast(user_tok, where)
+    if writable:
+        _write_converted(lm, tok, root, digest, gguf)
+    return lm, user_tok
+
+
+def _bad_name(name):
+    """Why ``name`` cannot be a file of a converted folder (``None`` when it can)."""
+    if not isinstance(name, str) or not name:
+        return "which is not a file name"
+    seps = {"/", "\\", "\0", os.sep} | ({os.altsep} if os.altsep else set())
+    if name in (".", "..") or any(c in name for c in seps):
+        return "which is a path, not a file name in the folder"
+    if name.startswith("."):
+        return "a hidden file"
+    if name == _CONVERTED_MANIFEST:
+        return "the manifest itself"
+    if not name.lower().endswith(_CONVERTED_SUFFIXES):
+        return f"not a kind of file a converted model holds ({', '.join(_CONVERTED_SUFFIXES)})"
+    return None
+
+
+def _sha256_regular(path, *, sync=False):
+    """(sha256, size) of a regular file, never through a symbolic link."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # ELOOP: a symbolic link
+        kind = "a symbolic link" if os.path.islink(path) else (exc.strerror or str(exc))
+        raise ValueError(f"not a regular file ({kind})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file")
+        h = hashlib.sha256()
+        size = 0
+        while True:
+            block = os.read(fd, _HASH_CHUNK)
+            if not block:
+                break
+            h.update(block)
+            size += len(block)
+        if sync:
+            try:
+                os.fsync(fd)
+            except OSError:  # pragma: no cover - platforms that refuse it on a read fd
+                pass
+    finally:
+        os.close(fd)
+    return h.hexdigest(), size
+
+
+def _converted_problem(folder, digest, gguf_size):
+    """What is wrong with a converted folder: ``(problem or None, only_stale)``.
+
+    The folder is untrusted input: the manifest must be this format and version,
+    name this GGUF file's digest and size and the running transformers major
+    version, and list exactly the regular files present (plain names, no links),
+    each with its SHA-256 and size, all checked here. Nothing the manifest names
+    is followed as a path. ``only_stale`` is true when the folder is merely from
+    another format version or transformers major version.
+    """
+    import transformers
+
+    path = Path(folder)
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return "it is not a folder (a file or a symbolic link)", False
+        names = set(os.listdir(path))
+    except OSError as exc:
+        return f"it cannot be listed ({exc})", False
+    if _CONVERTED_MANIFEST not in names:
+        return f"it has no manifest {_CONVERTED_MANIFEST}", False
+    try:
+        manifest = json.loads(read_regular_file(path / _CONVERTED_MANIFEST, max_bytes=1 << 20,
+                                                follow_symlinks=False))
+    except (OSError, ValueError) as exc:  # JSON and UTF-8 errors are ValueErrors
+        return f"its manifest cannot be read ({exc})", False
+    if not isinstance(manifest, dict):
+        return "its manifest is not a JSON object", False
+    if (manifest.get("format"), manifest.get("version")) != (_CONVERTED_FORMAT,
+                                                            _CONVERTED_VERSION):
+        return (f"it is format {manifest.get('format')!r} version {manifest.get('version')!r}; "
+                f"this skafa writes {_CONVERTED_FORMAT!r} version {_CONVERTED_VERSION}"), True
+    written = str(manifest.get("transformers"))
+    if written.split(".")[0] != transformers.__version__.split(".")[0]:
+        return (f"it was written by transformers {written}, this is transformers "
+                f"{transformers.__version__} (another major version)"), True
+    if manifest.get("gguf_sha256") != digest or manifest.get("gguf_size") != gguf_size:
+        return (f"its manifest names a GGUF file with sha256 {manifest.get('gguf_sha256')!r} "
+                f"and {manifest.get('gguf_size')!r} bytes, but the file has sha256 {digest} "
+                f"and {gguf_size} bytes"), False
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        return "its manifest lists no files", False
+    for name, entry in files.items():
+        bad = _bad_name(name)
+        if bad is not None:
+            return f"its manifest names {name!r}, {bad}", False
+        if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
+                and type(entry.get("size")) is int):
+            return f"its manifest entry of {name!r} is not {{'sha256': str, 'size': int}}", False
+    listed = set(files) | {_CONVERTED_MANIFEST}
+    if names != listed:
+        extra, missing = sorted(names - listed), sorted(listed - names)
+        return ("it does not hold exactly the files its manifest lists ("
+                + "; ".join(part for part in (
+                    f"not listed: {extra}" if extra else "",
+                    f"missing: {missing}" if missing else "") if part) + ")"), False
+    for name in sorted(files):
+        try:
+            sha, size = _sha256_regular(path / name)
+        except (OSError, ValueError) as exc:
+            return f"{name}: {exc}", False
+        if (sha, size) != (files[name]["sha256"], files[name]["size"]):
+            return (f"{name} has sha256 {sha} and {size} bytes, its manifest says sha256 "
+                    f"{files[name]['sha256']} and {files[name]['size']} bytes"), False
+    return None, False
+
+
+def _remove_tree(path):
+    try:
+        if os.path.islink(path) or not os.path.isdir(path):
+            os.unlink(path)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+        pass
+
+
+def _discard(folder):
+    """Remove a converted folder; False when it cannot be.
+
+    It is first renamed aside (atomic), so no process sees it half removed.
+    """
+    folder = Path(folder)
+    trash = folder.with_name(f".trash-{folder.name[:16]}.{os.getpid()}.{os.urandom(4).hex()}")
+    try:
+        os.rename(folder, trash)
+    except FileNotFoundError:
+        return True  # another process removed it first
+    except OSError:
+        return False
+    _remove_tree(trash)
+    return True
+
+
+def _sweep_converted(root):
+    """Remove what killed or failed conversions left in ``root`` (old temporary folders)."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    now = time.time()
+    for name in names:
+        path = os.path.join(root, name)
+        if name.startswith(".trash-"):
+            _remove_tree(path)
+        elif name.startswith(".tmp-"):
+            try:
+                old = now - os.lstat(path).st_mtime > _STALE_TMP_S
+            except OSError:
+                continue
+            if old:
+                _remove_tree(path)
+
+
+def _save_dequantised(lm, folder):
+    """``lm.save_pretrained`` of a dequantised GGUF model.
+
+    transformers marks a model read from a GGUF file as quantized (its
+    ``hf_quantizer``, ``config.quantization_config``) and refuses to save it, even
+    though its weights are plain float32 tensors; both are set aside for the save
+    and put back after.
+    """
+    config = lm.config
+    had_quant = "quantization_config" in vars(config)
+    quant = vars(config).get("quantization_config")
+    had_quantizer = "hf_quantizer" in vars(lm)
+    quantizer = vars(lm).get("hf_quantizer")
+    try:
+        if had_quant:
+            delattr(config, "quantization_config")
+        if had_quantizer:
+            lm.hf_quantizer = None
+        lm.save_pretrained(str(folder), safe_serialization=True)
+    finally:
+        if had_quant:
+            config.quantization_config = quant
+        if had_quantizer:
+            lm.hf_quantizer = quantizer
+
+
+def _check_saved_weights(lm, folder):
+    """Raise ValueError unless the safetensors in ``folder`` are ``lm``'s weights, bit for bit.
+
+    Every saved tensor must equal the model's tensor of that name (dtype, shape,
+    bytes), and every tensor of the state dict must be saved or share its storage
+    with a saved one (tied embeddings).
+    """
+    import torch
+    from safetensors import safe_open
+
+    def bits(t):
+        return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+
+    state = lm.state_dict()
+    saved = set()
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".safetensors"):
+            continue
+        with safe_open(os.path.join(folder, name), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                ref = state.get(key)
+                if ref is None or key in saved:
+                    raise ValueError(f"{name} holds a tensor {key!r} that the model has not "
+                                     "(or twice)")
+                t = f.get_tensor(key)
+                if (t.dtype, tuple(t.shape)) != (ref.dtype, tuple(ref.shape)) or not (
+                        torch.equal(bits(t), bits(ref))):
+                    raise ValueError(f"the saved tensor {key!r} differs from the dequantised "
+                                     "one")
+                saved.add(key)
+    stored = {state[k].untyped_storage().data_ptr() for k in saved}
+    missing = [k for k, t in state.items()
+               if k not in saved and t.untyped_storage().data_ptr() not in stored]
+    if missing:
+        raise ValueError(f"the saved weights lack {missing[:3]} ({len(missing)} tensors)")
+
+
+def _write_converted(lm, tokenizer, root, digest, gguf):
+    """Write ``<root>/<digest>/`` for a float32 model read from ``gguf`` (see load_model).
+
+    Checks the free space first, writes into a temporary folder beside it and
+    renames it into place; when another process got there first its folder is
+    kept. A failure is a ``RuntimeWarning``, never an error: the model is loaded.
+    """
+    import torch
+    import transformers
+
+    final = root / digest
+    need = 4 * sum(p.numel() for p in lm.parameters())
+    need += need // 20 + _CONVERTED_MARGIN
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(root).free
+    except OSError as exc:
+        warnings.warn(f"Not writing the converted model of {gguf.name} to {final}: {exc}. "
+                      "The GGUF file is read again next time.", RuntimeWarning, stacklevel=5)
+        return
+    if free < need:
+        warnings.warn(
+            f"Not writing the converted model of {gguf.name} to {final}: it needs about "
+            f"{need / 2**20:.0f} MiB (float32 weights) and {free / 2**20:.0f} MiB are free. "
+            "The GGUF file is read again next time.", RuntimeWarning, stacklevel=5)
+        return
+    _sweep_converted(root)
+    tmp = None
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{digest[:16]}."))
+        _save_dequantised(lm, tmp)
+        tokenizer.save_pretrained(str(tmp))
+        _check_saved_weights(lm, tmp)
+        files = {}
+        for name in sorted(os.listdir(tmp)):
+            bad = _bad_name(name)
+            if bad is not None:
+                raise ValueError(f"transformers wrote {name!r}, {bad}")
+            sha, size = _sha256_regular(tmp / name, sync=True)
+            files[name] = {"sha256": sha, "size": size}
+        manifest = {
+            "format": _CONVERTED_FORMAT, "version": _CONVERTED_VERSION,
+            "gguf_file": gguf.name, "gguf_sha256": digest, "gguf_size": gguf.stat().st_size,
+            "transformers": transformers.__version__, "torch": torch.__version__,
+            "dtype": "float32", "files": files,
+        }
+        atomic_write_bytes(tmp / _CONVERTED_MANIFEST,
+                           json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8"))
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not os.path.lexists(final):
+                raise
+            # another process converted the same file meanwhile: its folder stays
+        else:
+            tmp = None
+    except Exception as exc:  # noqa: BLE001 - caching is best effort, the model is loaded
+        warnings.warn(f"Could not write the converted model of {gguf.name} to {final} "
+                      f"({type(exc).__name__}: {exc}). The GGUF file is read again next "
+                      "time.", RuntimeWarning, stacklevel=5)
+    finally:
+        if tmp is not None:
+            _remove_tree(tmp)
 
 
 def clear_model_cache() -> None:
@@ -719,7 +1136,7 @@ def kv_cache_argument(module):
 
 
 def load_checked_model(model, *, device="cpu", dtype="auto", fingerprint=None,
-                       identity=None, owner="estimator"):
+                       identity=None, owner="estimator", convert_dir=None):
     """Load a model (:func:`load_model`) and check it is the one an estimator was fitted with.
 
     The one loading path of skafa's model-reading estimators (the extraction
@@ -739,6 +1156,9 @@ def load_checked_model(model, *, device="cpu", dtype="auto", fingerprint=None,
         The :func:`model_identity` recorded at fit; None skips the check.
     owner : str, default="estimator"
         Who asks, for the error message (e.g. ``"TurnActivationTransformer"``).
+    convert_dir : str or os.PathLike, default=None
+        Folder of converted GGUF models, as for :func:`load_model` (where the
+        weights are read from changes neither the fingerprint nor the identity).
 
     Returns
     -------
@@ -750,7 +1170,7 @@ def load_checked_model(model, *, device="cpu", dtype="auto", fingerprint=None,
     RuntimeError
         When the model loaded now differs from the recorded one.
     """
-    lm, tokenizer = load_model(model, device=device, dtype=dtype)
+    lm, tokenizer = load_model(model, device=device, dtype=dtype, convert_dir=convert_dir)
     where = f"process {os.getpid()}: " if "worker" in owner else ""
     if fingerprint is not None and model_fingerprint(lm) != fingerprint:
         raise RuntimeError(
@@ -932,7 +1352,9 @@ def verify_saved_model(estimator, context):
     ``estimator.model`` (already replaced by ``load(model=...)``) on
     ``estimator.device`` in the dtype it was fitted in (``estimator.dtype_``, else
     ``estimator.dtype``) and compares its architecture with
-    ``estimator.model_fingerprint_``: a different architecture raises
+    ``estimator.model_fingerprint_`` (a GGUF model is read through the converted
+    folder ``<cache_dir>/models`` when the estimator has a ``cache_dir``, see
+    :func:`load_model`): a different architecture raises
     :class:`ValueError`. The same architecture under another name, file or weights
     (the full-content weights digest of :func:`model_identity`) warns with
     :class:`~skafa.exceptions.ModelMismatchWarning`, naming where the model was
@@ -963,7 +1385,8 @@ def verify_saved_model(estimator, context):
         return None
     try:
         lm, tokenizer = load_model(est.model, device=est.device,
-                                   dtype=getattr(est, "dtype_", est.dtype))
+                                   dtype=getattr(est, "dtype_", est.dtype),
+                                   convert_dir=_converted_dir(getattr(est, "cache_dir", None)))
     except Exception as exc:
         raise context.fail(
             f"the {type(est).__name__} needs the model {str(est.model)!r} to check its "

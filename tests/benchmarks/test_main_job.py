@@ -51,10 +51,11 @@ def _quickstart():
     return module
 
 
-def _run_quickstart(data, n_resamples):
+def _run_quickstart(data, n_resamples, n_jobs="1"):
     """examples/quickstart.py's main on the tiny model, memory cache only."""
     return _quickstart().main(["--data", str(data), "--model", MODEL, "--cache-dir", "",
-                               "--sites", "stride:1", "--n-resamples", n_resamples])
+                               "--sites", "stride:1", "--n-resamples", n_resamples,
+                               "--n-jobs", n_jobs])
 
 
 # ------------------------------------------------------------------ the package steps
@@ -157,6 +158,19 @@ def test_quickstart_runs_on_tiny_model(tmp_path, capsys):
     assert f"predicted: step {att.step}" in text and "true:" in text
     assert out["attributor"].best_site_ in out["sites"]
     assert "wall times:" in text and "extraction" in out["times"]
+
+
+def test_n_jobs_reaches_the_site_search(tmp_path):
+    # SiteSelector's predictions do not depend on n_jobs (tests/model_selection)
+    from skafa.benchmarks._main_job import _configured
+
+    data = write_who_and_when(tmp_path / "wnw", make_conversations(6, seed=1))
+    assert _quickstart().parse_args(["--n-jobs", "2"]).n_jobs == 2
+    assert MainJobSettings(data=str(data)).n_jobs == -1
+    job = prepare_main_job(MainJobSettings(data=str(data), model=MODEL, sites="stride:1",
+                                           n_jobs=2))
+    _, selector = _configured(job)
+    assert selector.n_jobs == 2
 
 
 def test_quickstart_runs_a_configuration_with_position_features(tmp_path, capsys,

