@@ -162,7 +162,10 @@ def _open_cell(settings, conversations):
     # "auto" is resolved once, so that tables, result files and cache keys name
     # the dtype that ran (bfloat16 on CUDA and bf16-unit CPUs, else float32).
     settings.dtype = resolve_dtype(settings.dtype, model=settings.model)
-    model, tokenizer = load_model(settings.model, dtype=settings.dtype)
+    cache_dir = getattr(settings, "cache_dir", None)  # a GGUF model converted once, beside it
+    model, tokenizer = load_model(settings.model, dtype=settings.dtype,
+                                  convert_dir=os.path.join(cache_dir, "models")
+                                  if cache_dir else None)
     ctx = context_length(model)
     return convs, tag, y, groups, model, tokenizer, ctx, min(ctx, settings.max_prompt_tokens)
 
