@@ -295,7 +295,9 @@ def test_split_predictions_equal_fitting_on_each_split(tiny, convs, name, monkey
     splits = [(np.array([0, 1, 2, 3, 4]), np.array([5, 6, 7])),
               (np.array([2, 3, 4, 5, 6, 7]), np.array([0, 1])),
               (np.array([0, 1, 5, 6, 7]), np.array([2, 3, 4]))]
-    judge = GraftedJudge(name, locator_grid=(1, 2), writer_grid=(0, 1, 2), cv=GroupKFold(2))
+    # Gemma-3's sliding windows rerun the prompt per graft: a smaller grid keeps it quick
+    writer_grid = (0, 1, 2) if name == LLAMA else (0, 1)
+    judge = GraftedJudge(name, locator_grid=(1, 2), writer_grid=writer_grid, cv=GroupKFold(2))
     expected, heads = [], []
     for train, test in splits:
         fitted = clone(judge).fit([convs[i] for i in train], y[train], groups=groups[train])
@@ -315,7 +317,7 @@ def test_split_predictions_equal_fitting_on_each_split(tiny, convs, name, monkey
     for fit, (locators, writers) in zip(fits, heads):
         assert [tuple(h) for h in fit["locator_heads"]] == locators
         assert [tuple(h) for h in fit["writer_heads"]] == writers
-        assert len(fit["inner_mean_score"]) == 6
+        assert len(fit["inner_mean_score"]) == 2 * len(writer_grid)
     # every prompt is read at most twice: once for the statistics, once for its grafts
     assert len(opened) <= 2 * len(convs)
     assert not hasattr(judge, "locator_heads_")  # the template is left unfitted
