@@ -198,18 +198,20 @@ class _AnswerSession:
             self.cache = _output_cache(out)
             self.base = int(self.cache.get_seq_length())
 
-    def step(self, override=None, direct_tokens=None):
+    def step(self, override=None, direct_tokens=None, rows=True):
         """Candidate scores with ``override`` active at the answer position.
 
         Returns ``(scores, rows, direct)``: float64 scores of the candidates,
         the model's own attention rows at the answer position (float32
         ``(n_layers, n_heads, n_keys)``) and the heads' direct effects on
-        ``direct_tokens`` there (or ``None``).
+        ``direct_tokens`` there (or ``None``). ``rows=False`` says the caller
+        does not need the rows: a sliding-window model then skips the clean pass
+        that would give them (its rows may be ``None``).
         """
         import torch
 
         if self.cache is None:
-            return self._full_step(override, direct_tokens)
+            return self._full_step(override, direct_tokens, rows)
         # one pass: the answer position (query 0) and the candidates packed behind it
         n = len(self.prefix)
         width = n + packed_queries([self.continuations], lead=True) - 1  # keys of the pass
@@ -238,8 +240,10 @@ class _AnswerSession:
                                                direct_tokens)
         return scores, rows, direct
 
-    def _full_step(self, override, direct_tokens):
-        rows, direct = _answer_pass(self.lm, self.prefix, direct_tokens=direct_tokens)
+    def _full_step(self, override, direct_tokens, need_rows):
+        rows = direct = None
+        if need_rows or direct_tokens is not None:  # a clean pass of its own
+            rows, direct = _answer_pass(self.lm, self.prefix, direct_tokens=direct_tokens)
         context = None
         if override:
             def context(batch_rows, width):
@@ -774,7 +778,7 @@ n_conversations_fit_
                 if _active(config, mix):
                     grafts = _graft_rows(rows, list(config[0]), list(config[1]), mix)
                     override = {head: w[None, :] for head, w in grafts.items()}
-                    out[i, config] = session.step(override=override)[0]
+                    out[i, config] = session.step(override=override, rows=False)[0]
                     if store is not None:
                         store.scores[i, config] = np.asarray(out[i, config], dtype=np.float64)
             del session
