@@ -32,6 +32,8 @@ from __future__ import annotations
 import hashlib
 import json
 import numbers
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -182,7 +184,7 @@ class _AnswerSession:
     back) rerun the whole prompt at each step instead — the same numbers, slower.
     """
 
-    def __init__(self, lm, prefix, continuations, number_mask, pad_id):
+    def __init__(self, lm, prefix, continuations, number_mask, pad_id, cache=None):
         import torch
 
         self.lm, self.continuations = lm, continuations
@@ -191,7 +193,10 @@ class _AnswerSession:
         self.layout = decoder_layout(lm)
         self.device = self.layout.embedding.weight.device
         self.cache = None
-        if not has_sliding_window(lm) and len(self.prefix) > 1:
+        if cache is not None:  # the prompt's KV cache, kept from an earlier read
+            self.cache = cache
+            self.base = int(cache.get_seq_length())
+        elif not has_sliding_window(lm) and len(self.prefix) > 1:
             ids = torch.as_tensor(self.prefix[None, :-1], device=self.device)
             with torch.inference_mode():
                 out = lm(input_ids=ids, use_cache=True, logits_to_keep=1)
@@ -252,6 +257,76 @@ class _AnswerSession:
                                   self.number_mask, pad_id=self.pad_id,
                                   prefix_context=context)[0]
         return scores, rows, direct
+
+
+def _cache_tensors(cache):
+    """``[(keys, values), ...]`` of a dynamic KV cache, one pair per layer."""
+    if hasattr(cache, "layers"):  # transformers 5
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache))  # transformers 4
+
+
+class _KVSpill:
+    """Prompt KV caches kept on disk between the statistics and the graft pass.
+
+    The statistics pass reads every prompt once; the graft pass needs each
+    prompt's KV cache again, after the statistics of *all* conversations have
+    chosen the heads. Keeping every cache in memory would cost about 46 KB per
+    prompt token on SmolLM2 (15 GB for a Who&When subset), reading every prompt
+    again costs a second forward pass. This keeps each cache in a safetensors file
+    of a private temporary folder under ``parent`` (created by this object,
+    removed by :meth:`close`; each file is deleted once its conversation's grafts
+    are done) and restores it bit for bit. Only files this object wrote are read,
+    and each is checked against the layer count, shapes and dtypes it recorded.
+    """
+
+    def __init__(self, parent):
+        parent = Path(parent)
+        parent.mkdir(parents=True, exist_ok=True)
+        self.dir = Path(tempfile.mkdtemp(prefix="skafa-grafted-kv-", dir=parent))
+        self.kept = {}  # i -> (path, [(shape, dtype) per tensor name])
+
+    def put(self, i, cache):
+        from safetensors.torch import save_file
+
+        tensors = {}
+        for layer, (k, v) in enumerate(_cache_tensors(cache)):
+            tensors[f"k{layer}"], tensors[f"v{layer}"] = k.contiguous(), v.contiguous()
+        path = self.dir / f"{int(i)}.safetensors"
+        save_file(tensors, str(path))
+        self.kept[int(i)] = (path, {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()})
+
+    def take(self, i, lm):
+        """The cache kept for conversation ``i`` (its file removed), or ``None``."""
+        from safetensors.torch import load_file
+
+        entry = self.kept.pop(int(i), None)
+        if entry is None:
+            return None
+        path, expected = entry
+        try:
+            tensors = load_file(str(path))
+        finally:
+            path.unlink(missing_ok=True)
+        got = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
+        if got != expected:
+            raise RuntimeError(f"the KV cache kept in {path} changed on disk (shapes or "
+                               "dtypes differ from what was written); rerun the call.")
+        from transformers import DynamicCache
+
+        try:
+            cache = DynamicCache(config=lm.config)
+        except TypeError:  # transformers 4 takes no config
+            cache = DynamicCache()
+        device = decoder_layout(lm).embedding.weight.device
+        for layer in range(len(expected) // 2):
+            cache.update(tensors[f"k{layer}"].to(device), tensors[f"v{layer}"].to(device),
+                         layer)
+        return cache
+
+    def close(self):
+        self.kept.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _direct_from_captured(lm, layout, captured, tokens):
@@ -685,11 +760,12 @@ n_conversations_fit_
         self.writer_heads_ = _rank(self.head_writer_scores_)[:self.n_writers_]
         log(self, 1, f"locators {self.locator_heads_}, writers {self.writer_heads_}")
 
-    def _session(self, lm, plan, i):
+    def _session(self, lm, plan, i, kv=None):
+        cache = None if kv is None else kv.take(i, lm)
         return _AnswerSession(lm, plan.prefixes[i], plan.continuations[i], plan.number_mask,
-                              plan.pad_id)
+                              plan.pad_id, cache=cache)
 
-    def _head_statistics(self, lm, convs, plan, steps, store=None):
+    def _head_statistics(self, lm, convs, plan, steps, store=None, kv=None):
         """Per conversation and head: mass on the decisive turn, direct-effect contrast."""
         locator, writer = [], []
         start = time.perf_counter()
@@ -700,7 +776,11 @@ n_conversations_fit_
                 continue
             firsts = [int(c[0]) for c in plan.continuations[i]]
             tokens = sorted(set(firsts))
-            _, rows, direct = self._session(lm, plan, i).step(direct_tokens=tokens)
+            session = self._session(lm, plan, i)
+            _, rows, direct = session.step(direct_tokens=tokens)
+            if kv is not None and session.cache is not None:
+                kv.put(i, session.cache)  # the graft pass restores it instead of rereading
+            del session
             spans = list(zip(np.asarray(enc.turn_start_positions).tolist(),
                              (np.asarray(enc.turn_positions) + 1).tolist()))
             step = int(steps[i])
@@ -735,7 +815,7 @@ n_conversations_fit_
             return list(cv.split(convs, steps, groups))
         return grouped_splits(self.cv, convs, steps, {"groups": groups}, task_ids)
 
-    def _graft_scores(self, lm, convs, plan, requests, store=None):
+    def _graft_scores(self, lm, convs, plan, requests, store=None, kv=None):
         """Candidate scores of conversation ``i`` under each graft ``requests[i]`` asks for.
 
         A graft that changes nothing is scored by the prompted judge's own path
@@ -772,7 +852,7 @@ n_conversations_fit_
                          if any(_active(c, mix) for c in configs))
         start = time.perf_counter()
         for done, i in enumerate(grafted, 1):
-            session = self._session(lm, plan, i)
+            session = self._session(lm, plan, i, kv)
             _, rows, _ = session.step()
             for config in requests[i]:
                 if _active(config, mix):
@@ -804,7 +884,7 @@ n_conversations_fit_
         return [scores[i, config] for i in range(len(convs))]
 
     @fit_context(prefer_skip_nested_validation=True)
-    def _split_predictions(self, X, y, splits, groups, store):
+    def _split_predictions(self, X, y, splits, groups, store, kv_dir=None):
         """:func:`grafted_split_predictions` on this (unfitted copy of the) judge."""
         pairs = self._pairs()
         convs, lm, tokenizer = self._fit_model(X, None)
@@ -815,8 +895,18 @@ n_conversations_fit_
             store = self._open_store(store, convs, steps, plan, lm)
             log(self, 1, f"store {store.path}: head statistics of {len(store.stats)} and "
                          f"{len(store.scores)} graft scorings kept from an earlier run")
+        kv = None if kv_dir is None else _KVSpill(kv_dir)
+        try:
+            return self._split_predictions_with(convs, lm, plan, steps, splits, groups, pairs,
+                                                store, kv)
+        finally:
+            if kv is not None:
+                kv.close()
+
+    def _split_predictions_with(self, convs, lm, plan, steps, splits, groups, pairs, store,
+                                kv):
         log(self, 1, f"head statistics of {len(convs)} conversations (one pass each)")
-        locator_stats, writer_stats = self._head_statistics(lm, convs, plan, steps, store)
+        locator_stats, writer_stats = self._head_statistics(lm, convs, plan, steps, store, kv)
         requests, fits = {}, []
         for train, test in splits:
             train, test = np.asarray(train, dtype=np.int64), np.asarray(test, dtype=np.int64)
@@ -835,7 +925,7 @@ n_conversations_fit_
         n_grafts = sum(len(v) for v in requests.values())
         log(self, 1, f"{n_grafts} (conversation, graft) scorings over {len(requests)} "
                      f"conversations (one prompt pass each)")
-        scores = self._graft_scores(lm, convs, plan, requests, store)
+        scores = self._graft_scores(lm, convs, plan, requests, store, kv)
         predictions, infos = [], []
         for train, test, inner, configs, final in fits:
             self._set_choice(pairs, locator_stats, writer_stats, train, inner, configs,
@@ -867,7 +957,8 @@ n_conversations_fit_
                            [len(c) for c in plan.continuations])
 
 
-def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None, store=None):
+def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None, store=None,
+                              kv_dir=None):
     """Test predictions of a :class:`GraftedJudge` fitted on each split's training part.
 
     The result equals, split by split, ::
@@ -875,7 +966,8 @@ def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None, store
         clone(judge).fit(X[train], y[train], groups=groups[train]).predict(X[test])
 
     but every conversation's prompt is read twice in all (once for the head
-    statistics, once for all the grafts any split asks of it) instead of several
+    statistics, once for all the grafts any split asks of it; once with
+    ``kv_dir``) instead of several
     times per split: the statistics do not depend on the split, and a graft at the
     answer position costs only that position and the candidate tokens
     (:class:`GraftedJudge`'s own ``fit`` and ``predict`` share this code). For the
@@ -900,6 +992,16 @@ def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None, store
         are the same). A file written for other conversations, labels, model,
         prompt or ``mix`` is refused (:class:`~skafa.model_selection.ResultStoreError`),
         as is a damaged one. ``None``: nothing is kept.
+    kv_dir : str or path-like, default=None
+        A folder in which each prompt's KV cache is kept on disk between the
+        statistics pass and the graft pass, so every prompt is read once instead
+        of twice (same predictions, bit for bit). The caches go to a private
+        temporary subfolder, each file is deleted once its conversation's grafts
+        are done and the subfolder when the call returns; at most every prompt's
+        cache is there at once (float32 keys and values of every layer: about
+        46 KB per prompt token for SmolLM2-135M). Models with sliding-window
+        layers keep nothing (their prompts are reread at each graft anyway).
+        ``None``: prompts are read twice and nothing is written.
 
     Returns
     -------
@@ -924,4 +1026,4 @@ def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None, store
                         f"{type(judge).__name__}.")
     from sklearn.base import clone
 
-    return clone(judge)._split_predictions(X, y, list(splits), groups, store)
+    return clone(judge)._split_predictions(X, y, list(splits), groups, store, kv_dir)

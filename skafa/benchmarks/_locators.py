@@ -272,14 +272,15 @@ def _fits_top_locator_head(cell, todo):
 
 def _fits_grafted_judge(cell, todo):
     # every outer fit at once: the head statistics do not depend on the fit, and each
-    # prompt is read twice in all (grafted_split_predictions equals fitting per fit)
+    # prompt is read twice in all (grafted_split_predictions equals fitting per fit);
+    # with a cache dir, once: the prompts' KV caches wait there between the two passes
     s = cell.settings
     judge = GraftedJudge(s.model, locator_grid=list(s.locator_grid),
                          writer_grid=list(s.writer_grid), cv=GroupKFold(s.inner_folds),
                          verbose=1, **cell.common)
     predictions, fits = grafted_split_predictions(
         judge, cell.convs, cell.y, [(train, test) for _, _, train, test in todo],
-        groups=cell.groups, store=cell.graft_store)
+        groups=cell.groups, store=cell.graft_store, kv_dir=s.cache_dir)
     for (r, f, _, _), pred, info in zip(todo, predictions, fits):
         yield r, f, pred, info
 

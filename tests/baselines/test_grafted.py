@@ -306,9 +306,9 @@ def test_split_predictions_equal_fitting_on_each_split(tiny, convs, name, monkey
     opened = []
     real = _grafted._AnswerSession.__init__
 
-    def counting(self, lm, prefix, *args):
+    def counting(self, lm, prefix, *args, **kwargs):
         opened.append(len(prefix))
-        real(self, lm, prefix, *args)
+        real(self, lm, prefix, *args, **kwargs)
 
     monkeypatch.setattr(_grafted._AnswerSession, "__init__", counting)
     predictions, fits = grafted_split_predictions(judge, convs, y, splits, groups=groups)
@@ -321,6 +321,84 @@ def test_split_predictions_equal_fitting_on_each_split(tiny, convs, name, monkey
     # every prompt is read at most twice: once for the statistics, once for its grafts
     assert len(opened) <= 2 * len(convs)
     assert not hasattr(judge, "locator_heads_")  # the template is left unfitted
+
+
+@pytest.mark.parametrize("name", [LLAMA, QWEN, GEMMA3])
+def test_split_predictions_keep_kv_caches_on_disk_bit_for_bit(tiny, convs, name, tmp_path,
+                                                              monkeypatch):
+    from skafa.baselines import _grafted, grafted_split_predictions
+
+    groups = np.array([c.task_id for c in convs])
+    y = _steps(convs)
+    splits = [(np.arange(5), np.arange(5, 8)), (np.arange(3, 8), np.arange(3))]
+    judge = GraftedJudge(name, locator_grid=(1, 2), writer_grid=(1,), cv=GroupKFold(2))
+    expected, fits = grafted_split_predictions(judge, convs, y, splits, groups=groups)
+    reads, kept = [], []
+    real_init, real_put = _grafted._AnswerSession.__init__, _grafted._KVSpill.put
+
+    def counting(self, lm, prefix, *args, cache=None, **kwargs):
+        reads.append(cache is None)
+        real_init(self, lm, prefix, *args, cache=cache, **kwargs)
+
+    def put(self, i, cache):
+        real_put(self, i, cache)
+        kept.append(sorted(p.name for p in self.dir.iterdir()))
+
+    monkeypatch.setattr(_grafted._AnswerSession, "__init__", counting)
+    monkeypatch.setattr(_grafted._KVSpill, "put", put)
+    kv_dir = tmp_path / "kv"
+    got, got_fits = grafted_split_predictions(judge, convs, y, splits, groups=groups,
+                                              kv_dir=kv_dir)
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)
+    assert got_fits == fits
+    assert list(kv_dir.iterdir()) == []  # the private subfolder is gone
+    if name == GEMMA3:  # sliding windows: nothing to keep, each prompt reread
+        assert kept == []
+    else:  # every prompt read once; its cache waited on disk for the grafts
+        assert sum(reads) == len(convs) and len(reads) == 2 * len(convs)
+        assert len(kept) == len(convs) and kept[-1] == [f"{i}.safetensors"
+                                                        for i in sorted(range(len(convs)),
+                                                                        key=str)]
+
+
+def test_kv_spill_refuses_a_changed_file_and_cleans_up_after_an_error(tiny, convs, tmp_path,
+                                                                       monkeypatch):
+    from safetensors.torch import save_file
+
+    from skafa.baselines import _grafted, grafted_split_predictions
+
+    lm, _ = load_model(LLAMA)
+    ids = torch.arange(5)[None]
+    with torch.inference_mode():
+        cache = lm(input_ids=ids, use_cache=True).past_key_values
+    spill = _grafted._KVSpill(tmp_path)
+    spill.put(0, cache)
+    restored = spill.take(0, lm)
+    for (k, v), (k2, v2) in zip(_grafted._cache_tensors(cache),
+                                _grafted._cache_tensors(restored)):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert list(spill.dir.iterdir()) == []  # taken: its file is deleted
+    spill.put(1, cache)
+    tensors = {f"{kv}{layer}": t[:, :, :3].contiguous()
+               for layer, pair in enumerate(_grafted._cache_tensors(cache))
+               for kv, t in zip("kv", pair)}
+    save_file(tensors, str(spill.dir / "1.safetensors"))  # another shape, same names
+    with pytest.raises(RuntimeError, match="changed on disk"):
+        spill.take(1, lm)
+    assert spill.take(1, lm) is None
+    spill.close()
+    assert list(tmp_path.iterdir()) == []
+
+    def killed(self, *args, **kwargs):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(_grafted.GraftedJudge, "_graft_scores", killed)
+    with pytest.raises(RuntimeError, match="killed"):
+        grafted_split_predictions(GraftedJudge(LLAMA, locator_grid=(1,), writer_grid=(1,)),
+                                  convs, _steps(convs), [(np.arange(5), np.arange(5, 8))],
+                                  kv_dir=tmp_path / "kv")
+    assert list((tmp_path / "kv").iterdir()) == []
 
 
 def test_split_predictions_validate_like_fit(tiny, convs):
