@@ -58,6 +58,7 @@ from ..llm import (
     model_identity,
     plan,
 )
+from ..metrics import locator_head_accuracy
 from ..model_selection import (
     FoldResultStore,
     ResultStoreError,
@@ -71,12 +72,13 @@ from ..model_selection import (
     write_json,
 )
 from ..probes import GroupedArgmaxLogisticClassifier
+from ..report import plot_locator_heads
 from ..utils.grouped import grouped_argmax
 from ._peers import judge_predictions
 from ._who_and_when import _folds, _machine, _open_cell, _say
 
-__all__ = ["LOCATOR_ROWS", "LocatorBenchmarkSettings", "gap_closed", "locator_markdown",
-           "run_locator_benchmark", "top_locator_head"]
+__all__ = ["LOCATOR_ROWS", "LocatorBenchmarkSettings", "gap_closed", "locator_heads_summary",
+           "locator_markdown", "run_locator_benchmark", "top_locator_head"]
 
 #: The rows of §8, in table order.
 LOCATOR_ROWS = ("locator_probe", "top_locator_head", "grafted_judge", "judge",
@@ -464,6 +466,13 @@ def run_locator_benchmark(settings, conversations, *, subset_label=None, log=Non
         extracted["features head_attn"] = _extraction_counts(ext)
     elif head_rows:
         skipped.append("features head_attn")
+        if settings.cache_dir:  # only the per-head heatmap needs them: cached, not timed
+            ext = TurnActivationTransformer(settings.model, read="last", sites="head_attn",
+                                            cache_dir=settings.cache_dir, verbose=1, **common)
+            cell.H = ext.fit_transform(convs)
+            n_new, _ = _extraction_counts(ext)
+            _say(log, f"head-attention features for the heatmap read from the cache "
+                      f"({n_new} of {len(convs)} conversations not cached, extracted)")
     if "recommended" in rows and (settings.extract_only or todo["recommended"]):
         acts, cell.selector = make_configuration(RECOMMENDED, settings.model, verbose=1,
                                                  cache_dir=settings.cache_dir, **common)
@@ -553,11 +562,58 @@ def run_locator_benchmark(settings, conversations, *, subset_label=None, log=Non
     }
     if settings.resume:
         result["resumed"] = {"fits_reused": reused, "passes_not_rerun": skipped}
+    if cell.H is not None:
+        result["locator_heads"] = locator_heads_summary(cell.H, y)
+        png = _plot_heads(result["locator_heads"], out / f"{stem}_heads.png", log)
+        result["locator_heads"]["figure"] = None if png is None else Path(png).name
     write_json(out / f"{stem}.json", result, indent=1)
     md = locator_markdown(result)
     (out / f"{stem}.md").write_text(md)
     _say(log, md)
     return result
+
+
+def locator_heads_summary(H, y, *, top=5):
+    """Per-head locator accuracy on every record of a cell (descriptive, no fit).
+
+    Parameters
+    ----------
+    H : TurnFeatures
+        Head-attention features (one site per layer, one column per head).
+    y : array-like of int
+        Decisive steps.
+    top : int, default=5
+        How many of the best heads to list.
+
+    Returns
+    -------
+    dict
+        ``accuracy`` (layers x heads), ``chance``, ``sites`` and ``top``: the best
+        heads as ``[site, head, accuracy]``, best first (ties: earlier site, head).
+        In-sample by construction: every record is both ranked and scored, so the
+        best head's accuracy is optimistic; the held-out version is the
+        ``top_locator_head`` row.
+    """
+    acc, chance = locator_head_accuracy(H, y)
+    sites = list(H.sites)
+    order = sorted(np.ndindex(*acc.shape), key=lambda lh: (-acc[lh], lh))[:top]
+    return {"accuracy": np.round(acc, 4).tolist(), "chance": round(float(chance), 4),
+            "sites": sites,
+            "top": [[sites[l], int(h), round(float(acc[l, h]), 4)] for l, h in order]}
+
+
+def _plot_heads(heads, path, log):
+    """The per-head heatmap as a PNG; None (said through ``log``) without matplotlib."""
+    try:
+        fig = plot_locator_heads(np.asarray(heads["accuracy"]), path, chance=heads["chance"],
+                                 layer_labels=heads["sites"])
+    except ImportError:
+        _say(log, "matplotlib not installed: no heatmap (pip install 'skafa[plot]')")
+        return None
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
 
 
 def locator_markdown(result):
@@ -600,6 +656,15 @@ def locator_markdown(result):
                   + "); a stored fit's seconds are those measured when it ran"
                   + (f"; not rerun, so not timed: {', '.join(resumed['passes_not_rerun'])}"
                      if resumed.get("passes_not_rerun") else "") + ".", ""]
+    heads = result.get("locator_heads")
+    if heads:
+        best = ", ".join(f"{site} head {h} {100 * a:.1f}%" for site, h, a in heads["top"])
+        lines += [f"Per-head locator accuracy on all {result['n']} records (descriptive and "
+                  "in-sample: each head's most-attended turn against the decisive step, no "
+                  f"fit; the held-out version is the top_locator_head row): chance "
+                  f"{100 * heads['chance']:.1f}%; best heads {best}."
+                  + (f" Heatmap: [{heads['figure']}]({heads['figure']})."
+                     if heads.get("figure") else ""), ""]
     if result.get("command"):
         lines += [f"Command: `{result['command']}`", ""]
     return "\n".join(lines)

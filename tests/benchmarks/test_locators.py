@@ -39,6 +39,26 @@ def test_benchmark_locators_smoke(tmp_path):
     md = (out / "locators_smoke_Algorithm-Generated.md").read_text()
     assert "| locator_probe |" in md and "× one bare forward pass" in md
     assert all(v >= 0 for v in result["cost_vs_bare_forward"].values())
+    heads = saved["locator_heads"]  # the per-head heatmap: descriptive, every record
+    acc = np.asarray(heads["accuracy"])
+    assert acc.shape == (len(heads["sites"]), acc.shape[1]) and 0 <= acc.min() <= acc.max() <= 1
+    site, head, best = heads["top"][0]
+    assert best == acc.max() and acc[heads["sites"].index(site), head] == best
+    assert (out / heads["figure"]).stat().st_size > 0 and heads["figure"] in md
+
+
+def test_locator_heads_summary_ranks_heads_on_every_record():
+    rng = np.random.default_rng(1)
+    offsets = np.array([0, 3, 7, 10])
+    y = np.array([2, 0, 1])
+    values = rng.uniform(0, 0.2, size=(10, 2, 4))
+    values[offsets[:-1] + y, 0, 2] = 0.9  # layer 0, head 2 always on the decisive turn
+    values[offsets[:-1][:2] + y[:2], 1, 1] = 0.8  # layer 1, head 1 on two of three
+    summary = locators.locator_heads_summary(
+        TurnFeatures(values, offsets, sites=["head_attn.0", "head_attn.1"]), y, top=2)
+    assert summary["top"][0] == ["head_attn.0", 2, 1.0]
+    assert summary["top"][1][:2] == ["head_attn.1", 1] and summary["top"][1][2] >= 2 / 3
+    assert summary["chance"] == round(np.mean([1 / 3, 1 / 4, 1 / 3]), 4)
 
 
 # rows that need neither a judge nor the probes' inner searches: a run takes a second
@@ -79,12 +99,15 @@ def test_resume_after_an_interruption_gives_the_uninterrupted_result(tmp_path, m
     assert resumed["resumed"]["fits_reused"] == {"top_locator_head": 1}
     for key in ("predictions", "choices", "summary", "paired"):
         assert resumed[key] == whole[key], key
-    # everything stored: no fit and no head-attention features pass at all
+    # everything stored: no fit; the head-attention features are only read back from
+    # the cache for the heatmap (nothing extracted, not timed)
     calls = _count_calls(monkeypatch, "top_locator_head")
     features = _count_calls(monkeypatch, "TurnActivationTransformer")
     again = bench.main(args + ["--out", str(out), "--resume"])
-    assert calls == [] and features == []
+    assert calls == [] and len(features) == 1
     assert again["resumed"]["passes_not_rerun"] == ["features head_attn"]
+    assert "features head_attn" not in again["times"]
+    assert again["locator_heads"] == whole["locator_heads"]
     assert again["predictions"] == whole["predictions"]
     assert again["choices"] == whole["choices"]
     assert "Resumed (--resume)" in (out / f"{STEM}.md").read_text()
