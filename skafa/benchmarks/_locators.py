@@ -249,6 +249,7 @@ class _Cell:
     y: np.ndarray
     groups: np.ndarray
     common: dict
+    judge_common: dict  # the judges' prompt leaves room for the answer tokens
     H: object = None  # head-attention features (locator_probe, top_locator_head)
     A: object = None  # the recommended configuration's activations
     selector: object = None  # the recommended configuration's unfitted SiteSelector
@@ -279,7 +280,7 @@ def _fits_grafted_judge(cell, todo):
     s = cell.settings
     judge = GraftedJudge(s.model, locator_grid=list(s.locator_grid),
                          writer_grid=list(s.writer_grid), cv=GroupKFold(s.inner_folds),
-                         verbose=1, **cell.common)
+                         verbose=1, **cell.judge_common)
     predictions, fits = grafted_split_predictions(
         judge, cell.convs, cell.y, [(train, test) for _, _, train, test in todo],
         groups=cell.groups, store=cell.graft_store, kv_dir=s.cache_dir)
@@ -336,9 +337,11 @@ def _cell_signature(settings, tag, subset, convs, y, template, budget):
             "prompt_budget": budget}
 
 
-def _store_signature(cell_signature, settings, row):
+def _store_signature(cell_signature, settings, row, judge_template):
     """Everything the stored fits of ``row`` depend on (a store with another is refused)."""
     sig = {**cell_signature, "row": row}
+    if row in ("judge", "grafted_judge"):
+        sig["judge_prompt"] = judge_template.fingerprint()
     if row != "judge":  # the judge is fitted once on the whole set: no folds
         sig.update(folds=settings.folds, inner_folds=settings.inner_folds,
                    repeats=settings.repeats)
@@ -412,6 +415,9 @@ def run_locator_benchmark(settings, conversations, *, subset_label=None, log=Non
     convs, tag, y, groups, model, tokenizer, ctx, budget = _open_cell(settings, conversations)
     tag = "smoke" if settings.smoke else tag
     template = PromptTemplate(shorten="middle_first", max_prompt_tokens=budget)
+    # the judges append answer tokens after the prompt: 16 tokens of room, as §3's runner
+    judge_budget = min(budget, ctx - 16)
+    judge_template = PromptTemplate(shorten="middle_first", max_prompt_tokens=judge_budget)
     shortened = plan(convs, tokenizer, template, max_tokens=budget, read="last")
     n_tokens = int(sum(r["n_tokens"] for r in shortened))
     rows = [r for r in LOCATOR_ROWS if r in settings.rows]
@@ -419,7 +425,8 @@ def run_locator_benchmark(settings, conversations, *, subset_label=None, log=Non
     out = Path(settings.out)
     stem = f"locators_{tag}_{subset}"
     common = dict(prompt=template, dtype=settings.dtype)
-    cell = _Cell(settings, convs, y, groups, common)
+    cell = _Cell(settings, convs, y, groups, common,
+                 dict(prompt=judge_template, dtype=settings.dtype))
     if settings.resume:  # head statistics and graft scores, kept conversation by conversation
         cell.graft_store = out / f"{stem}.partial-grafted_judge-scores.json"
 
@@ -429,7 +436,8 @@ def run_locator_benchmark(settings, conversations, *, subset_label=None, log=Non
         base = _cell_signature(settings, tag, subset, convs, y, template, budget)
         for row in rows:
             stores[row] = store = FoldResultStore(out / f"{stem}.partial-{row}.json",
-                                                  _store_signature(base, settings, row))
+                                                  _store_signature(base, settings, row,
+                                                                   judge_template))
             keys = [(0, 0, len(convs))] if row == "judge" else [
                 (r, f, len(test)) for r, f, _, test in splits]
             for r, f, n_test in keys:
@@ -507,7 +515,7 @@ def run_locator_benchmark(settings, conversations, *, subset_label=None, log=Non
                 # per conversation into the cache (and, with resume, a score store), so
                 # an interrupted judge pass goes on where it stopped
                 pred = judge_predictions(
-                    settings, convs, common["prompt"], settings.cache_dir,
+                    settings, convs, judge_template, settings.cache_dir,
                     store=out / f"{stem}.partial-judge-scores.json" if settings.resume else None)
                 finish("judge", 0, 0, pred, {}, time.perf_counter() - t)
                 _say(log, f"judge: {len(convs)} conversations in "
@@ -552,7 +560,8 @@ def run_locator_benchmark(settings, conversations, *, subset_label=None, log=Non
         "model": str(settings.model), "tag": tag, "subset": subset, "n": len(convs),
         "rows": rows, "missing_rows": [r for r in LOCATOR_ROWS if r not in rows],
         "summary": summary, "paired": diffs, "gap_closed": gap, "choices": infos,
-        "dtype": settings.dtype, "prompt_budget": budget, "n_prompt_tokens_last": n_tokens,
+        "dtype": settings.dtype, "prompt_budget": budget, "judge_prompt_budget": judge_budget,
+        "n_prompt_tokens_last": n_tokens,
         "bare_forward_s": round(bare, 2),
         "cost_vs_bare_forward": {k: round(v / bare, 2) for k, v in times.items()},
         "times": {k: round(v, 1) for k, v in times.items()},
@@ -647,7 +656,10 @@ def locator_markdown(result):
     for k, v in result["times"].items():
         lines.append(f"| {k} | {v} | {result['cost_vs_bare_forward'][k]} |")
     lines += ["", f"Bare forward pass of the {result['n_prompt_tokens_last']:,} prompt tokens: "
-              f"{result['bare_forward_s']} s (calibrated rate). Machine: {result['machine']}; "
+              f"{result['bare_forward_s']} s (calibrated rate). Prompt budget "
+              f"{result['prompt_budget']} tokens, the judges' "
+              f"{result.get('judge_prompt_budget', result['prompt_budget'])} (room for the "
+              f"answer tokens). Machine: {result['machine']}; "
               f"dtype {result['dtype']}; total {result['total_s']} s.", ""]
     resumed = result.get("resumed") or {}
     if resumed.get("fits_reused"):

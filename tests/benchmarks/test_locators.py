@@ -200,3 +200,27 @@ def test_gap_closed():
     # no gap: the probe is no better than the judge
     assert gap_closed({"judge": judge, "recommended": judge, "grafted_judge": grafted},
                       groups, n_resamples=300) is None
+
+
+def test_the_judges_prompts_leave_room_for_their_answer_tokens(tmp_path, monkeypatch):
+    from skafa.llm import context_length, load_model
+
+    bench = _load("benchmark_locators")
+    seen = {}
+
+    def judge(settings, convs, template, cache_dir, store=None):
+        seen["judge"] = template.max_prompt_tokens
+        return np.zeros(len(convs), dtype=np.int64)
+
+    def grafted(judge, X, y, splits, **kwargs):
+        seen["grafted"] = judge.prompt.max_prompt_tokens
+        return [np.zeros(len(test), dtype=np.int64) for _, test in splits], [{}] * len(splits)
+
+    monkeypatch.setattr(locators, "judge_predictions", judge)
+    monkeypatch.setattr(locators, "grafted_split_predictions", grafted)
+    result = bench.main(["--smoke", "--rows", "judge,grafted_judge", "--max-prompt-tokens",
+                         "1000000", "--out", str(tmp_path)])
+    ctx = context_length(load_model("locators-smoke")[0])
+    assert result["prompt_budget"] == ctx  # the features read up to the whole context
+    assert seen == {"judge": ctx - 16, "grafted": ctx - 16} == {
+        "judge": result["judge_prompt_budget"], "grafted": result["judge_prompt_budget"]}
