@@ -846,6 +846,64 @@ class TurnFeatures:
             task_ids=task_ids,
         )
 
+    @staticmethod
+    def vstack(parts: Sequence[TurnFeatures]) -> TurnFeatures:
+        """Join the conversations of several containers, in order (row-wise union).
+
+        The counterpart of :meth:`concatenate` along the conversation axis: e.g. the
+        training parts of two subsets read by the same extractor, to fit one probe
+        on both.
+
+        Parameters
+        ----------
+        parts : sequence of TurnFeatures
+            Equal ``sites``, ``feature_names`` and per-site width; all dense or all
+            sparse; ``speakers`` and ``task_ids`` kept when every part has them.
+
+        Returns
+        -------
+        TurnFeatures
+            The conversations of ``parts[0]``, then of ``parts[1]``, ...
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from skafa import TurnFeatures
+        >>> a = TurnFeatures(np.zeros((3, 2)), [0, 1, 3], task_ids=["t0", "t1"])
+        >>> b = TurnFeatures(np.ones((2, 2)), [0, 2], task_ids=["u0"])
+        >>> X = TurnFeatures.vstack([a, b])
+        >>> X.n_turns.tolist(), X.task_ids.tolist()
+        ([1, 2, 2], ['t0', 't1', 'u0'])
+        """
+        parts = list(parts)
+        if not parts:
+            raise ValueError("nothing to stack.")
+        for j, p in enumerate(parts):
+            if not isinstance(p, TurnFeatures):
+                raise TypeError(f"part {j} is a {type(p).__name__}, not TurnFeatures.")
+        first = parts[0]
+        for j, p in enumerate(parts[1:], 1):
+            for attr in ("sites", "feature_names"):
+                if getattr(p, attr) != getattr(first, attr):
+                    raise ValueError(f"part {j} has other {attr} than part 0: "
+                                     f"{getattr(p, attr)} vs {getattr(first, attr)}.")
+            if p.values.shape[1:] != first.values.shape[1:] or p.is_sparse != first.is_sparse:
+                raise ValueError(f"part {j} has values of shape {p.values.shape} "
+                                 f"({'sparse' if p.is_sparse else 'dense'}); part 0: "
+                                 f"{first.values.shape} "
+                                 f"({'sparse' if first.is_sparse else 'dense'}).")
+        values = (sp.vstack([p.values for p in parts], format="csr") if first.is_sparse
+                  else np.concatenate([p.values for p in parts], axis=0))
+        offsets = np.concatenate([[0], np.cumsum(np.concatenate([p.n_turns for p in parts]))])
+
+        def joined(attr):
+            got = [getattr(p, attr) for p in parts]
+            return None if any(g is None for g in got) else np.concatenate(got)
+
+        return TurnFeatures(values, offsets, sites=first.sites,
+                            feature_names=first.feature_names,
+                            speakers=joined("speakers"), task_ids=joined("task_ids"))
+
     def astype(self, dtype) -> TurnFeatures:
         """Return a copy with values cast to ``dtype``.
 

@@ -307,6 +307,38 @@ def test_concatenate_errors():
         TurnFeatures.concatenate([X, X.select_sites(0)], prefixes=["a"])
 
 
+# ---------------------------------------------------------------- vstack
+def test_vstack_joins_conversations_in_order():
+    X, Y = _make(), _make(sizes=[2, 4], seed=1, task_ids=["u0", "u1"])
+    Z = TurnFeatures.vstack([X, Y])
+    assert Z.n_turns.tolist() == SIZES + [2, 4] and Z.sites == X.sites
+    assert Z[[5, 6]].equals(Y) and Z[list(range(5))].equals(X)
+    assert Z.task_ids.tolist() == X.task_ids.tolist() + ["u0", "u1"]
+    assert Z.speakers.tolist() == X.speakers.tolist() + Y.speakers.tolist()
+    # the union of two row subsets equals indexing the joined container
+    np.testing.assert_array_equal(TurnFeatures.vstack([X[[4, 0]], Y[[1]]]).values,
+                                  Z[[4, 0, 6]].values)
+    # a part without task ids: none kept
+    assert TurnFeatures.vstack([X, Y._replace(task_ids=None)]).task_ids is None
+    S = TurnFeatures(sp.random(15, 3, density=0.5, format="csr", random_state=0),
+                     _offsets(SIZES))
+    assert TurnFeatures.vstack([S, S]).is_sparse and TurnFeatures.vstack([S, S]).shape == (10,)
+
+
+def test_vstack_errors():
+    X = _make()
+    with pytest.raises(ValueError, match="part 1 has other sites"):
+        TurnFeatures.vstack([X, _make(sites=["a", "b"])])
+    with pytest.raises(ValueError, match="part 1 has other feature_names"):
+        TurnFeatures.vstack([X, _make(feature_names=["a", "b", "c"])])
+    with pytest.raises(ValueError, match=r"part 1 has values of shape \(15, 2, 4\)"):
+        TurnFeatures.vstack([X, _make(n_features=4)])
+    with pytest.raises(TypeError, match="part 1 is a ndarray"):
+        TurnFeatures.vstack([X, np.zeros((15, 2))])
+    with pytest.raises(ValueError, match="nothing to stack"):
+        TurnFeatures.vstack([])
+
+
 # ------------------------------------------------------------- pickling, saving
 def test_pickle_and_joblib_hash_are_stable_and_cheap():
     X = _make()

@@ -18,6 +18,11 @@ from ._extraction import (
     run_extraction_benchmark,
     run_peers_benchmark,
 )
+from ._locator_cost import (
+    LOCATOR_COST_METHODS,
+    LocatorCostSettings,
+    run_locator_cost_benchmark,
+)
 from ._locators import (
     LOCATOR_ROWS,
     LocatorBenchmarkSettings,
@@ -61,6 +66,13 @@ from ._peers import (
     peak_rss_during,
     peer_cost,
 )
+from ._rematch import (
+    REMATCH_CANDIDATES,
+    REMATCH_SUBSETS,
+    RematchSettings,
+    rematch_markdown,
+    run_rematch_candidates,
+)
 from ._who_and_when import (
     AUTO,
     MI4AFA,
@@ -74,6 +86,9 @@ from ._who_and_when import (
 )
 
 __all__ = [
+    "LOCATOR_COST_METHODS",
+    "LocatorCostSettings",
+    "run_locator_cost_benchmark",
     "LOCATOR_ROWS",
     "LocatorBenchmarkSettings",
     "gap_closed",
@@ -81,6 +96,11 @@ __all__ = [
     "locator_markdown",
     "run_locator_benchmark",
     "top_locator_head",
+    "REMATCH_CANDIDATES",
+    "REMATCH_SUBSETS",
+    "RematchSettings",
+    "rematch_markdown",
+    "run_rematch_candidates",
     "AUTO",
     "BenchmarkSettings",
     "EXTRACTION_PEERS",
