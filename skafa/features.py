@@ -765,12 +765,7 @@ class TurnFeatures:
         prefixes : sequence of str, optional
             Prefix for each part's feature names (``"{prefix}__{name}"``).
         """
-        parts = list(parts)
-        if not parts:
-            raise ValueError("nothing to concatenate.")
-        for j, p in enumerate(parts):
-            if not isinstance(p, TurnFeatures):
-                raise TypeError(f"part {j} is a {type(p).__name__}, not TurnFeatures.")
+        parts = _feature_parts(parts, "concatenate")
         if prefixes is not None:
             if isinstance(prefixes, str):
                 raise TypeError(
@@ -875,12 +870,7 @@ class TurnFeatures:
         >>> X.n_turns.tolist(), X.task_ids.tolist()
         ([1, 2, 2], ['t0', 't1', 'u0'])
         """
-        parts = list(parts)
-        if not parts:
-            raise ValueError("nothing to stack.")
-        for j, p in enumerate(parts):
-            if not isinstance(p, TurnFeatures):
-                raise TypeError(f"part {j} is a {type(p).__name__}, not TurnFeatures.")
+        parts = _feature_parts(parts, "stack")
         first = parts[0]
         for j, p in enumerate(parts[1:], 1):
             for attr in ("sites", "feature_names"):
@@ -1120,3 +1110,14 @@ def agents_at(X, steps):
     return np.asarray(
         [None if s < 0 else c.turns[s].speaker for c, s in zip(X, steps)], dtype=object
     )
+
+
+def _feature_parts(parts, verb):
+    """``parts`` as a non-empty list of :class:`TurnFeatures` (what to ``verb``)."""
+    parts = list(parts)
+    if not parts:
+        raise ValueError(f"nothing to {verb}.")
+    for j, p in enumerate(parts):
+        if not isinstance(p, TurnFeatures):
+            raise TypeError(f"part {j} is a {type(p).__name__}, not TurnFeatures.")
+    return parts
