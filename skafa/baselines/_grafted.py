@@ -1001,6 +1001,9 @@ def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None, store
         cache is there at once (float32 keys and values of every layer: about
         46 KB per prompt token for SmolLM2-135M). Models with sliding-window
         layers keep nothing (their prompts are reread at each graft anyway).
+        The subfolder is also removed after an error or ``KeyboardInterrupt``;
+        a process killed outright (SIGKILL, or SIGTERM without a handler that
+        raises) leaves its ``skafa-grafted-kv-*`` folder, to be removed by hand.
         ``None``: prompts are read twice and nothing is written.
 
     Returns

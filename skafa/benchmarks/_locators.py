@@ -75,7 +75,7 @@ from ..probes import GroupedArgmaxLogisticClassifier
 from ..report import plot_locator_heads
 from ..utils.grouped import grouped_argmax
 from ._peers import judge_predictions
-from ._who_and_when import _folds, _machine, _open_cell, _say
+from ._who_and_when import _folds, _machine, _open_cell, _say, _sigterm_as_interrupt
 
 __all__ = ["LOCATOR_ROWS", "LocatorBenchmarkSettings", "gap_closed", "locator_heads_summary",
            "locator_markdown", "run_locator_benchmark", "top_locator_head"]
@@ -403,7 +403,19 @@ def run_locator_benchmark(settings, conversations, *, subset_label=None, log=Non
     ResultStoreError
         A partial store written with other settings (with ``resume``), before
         any pass runs.
+
+    Notes
+    -----
+    In the main thread, SIGTERM (``kill``) stops the run as Ctrl-C does: the
+    stores keep what finished and the grafted judge's temporary KV folder
+    under ``cache_dir`` is removed. Only SIGKILL leaves that folder
+    (``skafa-grafted-kv-*``) behind.
     """
+    with _sigterm_as_interrupt():  # kill (SIGTERM) stops it as Ctrl-C: temp KV folder removed
+        return _run_locator_benchmark(settings, conversations, subset_label, log)
+
+
+def _run_locator_benchmark(settings, conversations, subset_label, log):
     unknown = [r for r in settings.rows if r not in LOCATOR_ROWS]
     if unknown:
         raise ValueError(f"unknown rows {unknown}; the rows of §8 are {list(LOCATOR_ROWS)}.")

@@ -24,6 +24,8 @@ import dataclasses
 import json
 import os
 import platform
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -143,6 +145,29 @@ def _timed(times, key):
 def _say(log, message):
     if log is not None:
         log(message)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """While active, SIGTERM stops the run as Ctrl-C does (``KeyboardInterrupt``).
+
+    A long benchmark started with ``nohup ... &`` ignores Ctrl-C's SIGINT, and
+    ``kill``'s SIGTERM would end it without running any ``finally`` block: the
+    grafted judge's temporary KV folder in the cache would stay behind. Outside
+    the main thread (where no handler can be set) this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"stopped by signal {signum} (SIGTERM)")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _machine():

@@ -224,3 +224,51 @@ def test_the_judges_prompts_leave_room_for_their_answer_tokens(tmp_path, monkeyp
     assert result["prompt_budget"] == ctx  # the features read up to the whole context
     assert seen == {"judge": ctx - 16, "grafted": ctx - 16} == {
         "judge": result["judge_prompt_budget"], "grafted": result["judge_prompt_budget"]}
+
+
+_SIGTERM_SCRIPT = r'''
+import importlib.util, os, signal, sys
+from pathlib import Path
+import skafa.baselines._grafted as grafted
+import skafa.benchmarks._locators as locators
+
+put = grafted._KVSpill.put
+def put_then_sigterm(self, i, cache):  # SIGTERM once the first prompt's KV file exists
+    put(self, i, cache)
+    os.kill(os.getpid(), signal.SIGTERM)
+grafted._KVSpill.put = put_then_sigterm
+if sys.argv[3] == "unguarded":  # the control: the runner without its SIGTERM handler
+    locators.run_locator_benchmark = lambda s, c, log=None: locators._run_locator_benchmark(
+        s, c, None, log)
+spec = importlib.util.spec_from_file_location("bench", sys.argv[1])
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+bench.run_locator_benchmark = locators.run_locator_benchmark
+try:
+    bench.main(["--smoke", "--rows", "grafted_judge", "--cache-dir", sys.argv[2],
+                "--out", sys.argv[2]])
+except KeyboardInterrupt as exc:
+    print("interrupted:", exc)
+'''
+
+
+@pytest.mark.parametrize("mode", ["guarded", "unguarded"])
+def test_sigterm_stops_the_run_and_removes_the_kv_folder(tmp_path, mode):
+    # `nohup ... &` ignores Ctrl-C; `kill` sends SIGTERM, which must still run the
+    # clean-up: the grafted judge's private KV folder in the cache goes away
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"
+    script = tmp_path / "run.py"
+    script.write_text(_SIGTERM_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(EXAMPLES / "benchmark_locators.py"),
+                           str(cache), mode], capture_output=True, text=True, timeout=600)
+    left = sorted(p.name for p in cache.glob("skafa-grafted-kv-*"))
+    if mode == "guarded":
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "interrupted: stopped by signal" in done.stdout
+        assert left == []
+    else:  # without the handler SIGTERM kills the process: the folder stays
+        assert done.returncode == -15
+        assert len(left) == 1 and list((cache / left[0]).iterdir())
