@@ -677,7 +677,9 @@ def locator_markdown(result):
     if resumed.get("fits_reused"):
         lines += ["Resumed (--resume): outer fits read from the per-row stores ("
                   + ", ".join(f"{k} {v}" for k, v in resumed["fits_reused"].items())
-                  + "); a stored fit's seconds are those measured when it ran"
+                  + "); a stored fit's seconds are those measured when it ran, under that "
+                  "run's threads and load, so their ratios to this run's bare pass are not a "
+                  "cost measurement (an interleaved one: examples/benchmark_locator_cost.py)"
                   + (f"; not rerun, so not timed: {', '.join(resumed['passes_not_rerun'])}"
                      if resumed.get("passes_not_rerun") else "") + ".", ""]
     heads = result.get("locator_heads")
