@@ -167,7 +167,8 @@ def _sigterm_as_interrupt():
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        # None: the previous handler was not set from Python; the default is the closest
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _machine():
