@@ -8,6 +8,37 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _cores():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def pytest_configure(config):
+    """Share the cores among pytest-xdist workers (``python -m pytest -n auto``).
+
+    Each worker is a process with its own torch thread pool, which by default
+    takes every core: two workers on two cores would run four spinning OpenMP
+    threads, and a tiny model's many small parallel regions then wait for
+    descheduled threads (measured: one Gemma-3 test 12x slower). Each worker gets
+    ``cores // workers`` threads (at least one), and so do the processes it
+    starts (Dask workers, subprocess tests) through ``OMP_NUM_THREADS``, unless the
+    caller set it. A run without workers is left as it is.
+    """
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers:
+        return
+    threads = max(1, _cores() // max(1, int(workers)))
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        threads = int(given)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def who_and_when_location() -> Path:
     """``$SKAFA_WHO_AND_WHEN`` when set, else ``<repo>/../shared/data/who_and_when``."""
     env = os.environ.get("SKAFA_WHO_AND_WHEN")
