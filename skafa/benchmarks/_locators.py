@@ -354,11 +354,15 @@ def _store_signature(cell_signature, settings, row, judge_template):
     return sig
 
 
-def _extraction_counts(extractor):
-    """``(extracted, cached)`` conversations of the extractor's last transform."""
-    stats = extractor.run_stats
-    return (int(stats.get("misses", 0)),
-            int(stats.get("memory_hits", 0) + stats.get("disk_hits", 0)))
+def _extraction_counts(extractor, n_conversations):
+    """``(extracted, cached)`` conversations of the extractor's transform since ``fit``.
+
+    ``cached`` includes those another process sharing the cache wrote while this
+    one ran (a miss at the first look, then found): counting cache misses as
+    extracted would count those twice.
+    """
+    extracted = int(extractor.run_stats["n_extracted"])
+    return extracted, int(n_conversations) - extracted
 
 
 def run_locator_benchmark(settings, conversations, *, subset_label=None, log=None):
@@ -483,14 +487,14 @@ def _run_locator_benchmark(settings, conversations, subset_label, log):
         _say(log, f"head-attention features of {len(convs)} conversations ({n_tokens:,} "
                   "prompt tokens, read 'last')")
         cell.H = timed("features head_attn", lambda: ext.fit_transform(convs))
-        extracted["features head_attn"] = _extraction_counts(ext)
+        extracted["features head_attn"] = _extraction_counts(ext, len(convs))
     elif head_rows:
         skipped.append("features head_attn")
         if settings.cache_dir:  # only the per-head heatmap needs them: cached, not timed
             ext = TurnActivationTransformer(settings.model, read="last", sites="head_attn",
                                             cache_dir=settings.cache_dir, verbose=1, **common)
             cell.H = ext.fit_transform(convs)
-            n_new, _ = _extraction_counts(ext)
+            n_new, _ = _extraction_counts(ext, len(convs))
             _say(log, f"head-attention features for the heatmap read from the cache "
                       f"({n_new} of {len(convs)} conversations not cached, extracted)")
     if "recommended" in rows and (settings.extract_only or todo["recommended"]):
@@ -498,7 +502,7 @@ def _run_locator_benchmark(settings, conversations, subset_label, log):
                                                  cache_dir=settings.cache_dir, **common)
         _say(log, f"activations of the recommended configuration ({RECOMMENDED})")
         cell.A = timed("features recommended", lambda: acts.fit_transform(convs))
-        extracted["features recommended"] = _extraction_counts(acts)
+        extracted["features recommended"] = _extraction_counts(acts, len(convs))
     elif "recommended" in rows:
         skipped.append("features recommended")
     if settings.extract_only:

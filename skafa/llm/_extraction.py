@@ -913,7 +913,10 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         Returns
         -------
         stats : dict
-            ``n_forward_passes`` (forward passes run; cache hits run none) and the
+            ``n_forward_passes`` (forward passes run; cache hits run none),
+            ``n_extracted`` (conversations those passes extracted; one that missed
+            the cache at first but was written meanwhile by another process sharing
+            ``cache_dir`` counts as a disk hit, not here) and the
             counters of this estimator's activation cache (``memory_hits``,
             ``disk_hits``, ``misses``, ``corrupt``, ``writes``, ...). A copy: later
             calls of :meth:`transform` do not change it. Counting restarts at
@@ -921,8 +924,9 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         """
         check_is_fitted(self, "sites_")
         cache = getattr(self, "_cache", None)
-        stats = {"n_forward_passes": int(getattr(self, "_run_stats", {}).get(
-            "n_forward_passes", 0))}
+        run = getattr(self, "_run_stats", {})
+        stats = {"n_forward_passes": int(run.get("n_forward_passes", 0)),
+                 "n_extracted": int(run.get("n_extracted", 0))}
         if cache is not None:
             stats.update(cache.stats)
         return stats
@@ -943,7 +947,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         if getattr(self, "_cache", None) is None:
             self._cache = ActivationCache(self.cache_dir, memory=bool(self.memory_cache))
         if getattr(self, "_run_stats", None) is None:
-            self._run_stats = {"n_forward_passes": 0}
+            self._run_stats = {"n_forward_passes": 0, "n_extracted": 0}
 
     # ------------------------------------------------------------------ API
     @fit_context(prefer_skip_nested_validation=True)
@@ -992,7 +996,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         self.rendering_ = self.prompt_.rendering(self._tokenizer)
         self.tokenizer_fingerprint_ = _tokenizer_fingerprint(self._tokenizer)
         self._cache = ActivationCache(self.cache_dir, memory=bool(self.memory_cache))
-        self._run_stats = {"n_forward_passes": 0}
+        self._run_stats = {"n_forward_passes": 0, "n_extracted": 0}
         return self
 
     def get_feature_names_out(self, input_features=None):
@@ -1261,13 +1265,16 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         try:
             if n_workers == 1 or len(items) == 1:
                 # In this process: the model is already loaded, the cache is ours.
-                _, n_passes, _ = _extract_task(job, items, cache=self._cache, progress=store)
+                _, n_passes, n_hits = _extract_task(job, items, cache=self._cache,
+                                                    progress=store)
             else:
-                n_passes = self._compute_parallel(job, items, store, n_workers)
+                n_passes, n_hits = self._compute_parallel(job, items, store, n_workers)
         finally:
             if bar is not None:
                 bar.close()
         self._run_stats["n_forward_passes"] += n_passes
+        # found on disk at a re-check (another process wrote them meanwhile): not extracted
+        self._run_stats["n_extracted"] += len(items) - n_hits
 
     def _compute_parallel(self, job, items, store, n_workers):
         """Dispatch the batches over joblib workers (any backend, e.g. Dask)."""
@@ -1277,11 +1284,12 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         tasks = _chunks(lengths, job["batch_size"], n_workers)
         results = Parallel(n_jobs=self.n_jobs, return_as="generator")(
             delayed(_extract_task)(job, [items[j] for j in task]) for task in tasks)
-        n_passes = 0
-        for task, (out, passes, _) in zip(tasks, results):
+        n_passes = n_hits = 0
+        for task, (out, passes, hits) in zip(tasks, results):
             n_passes += passes
+            n_hits += hits
             for j, acts in zip(task, out):
                 # The worker wrote the disk cache; keep a copy in this process's memory.
                 self._cache.put(items[j]["key"], job["sites"], acts, disk=False)
                 store(j, acts)
-        return n_passes
+        return n_passes, n_hits

@@ -409,6 +409,8 @@ def test_disk_cache_rechecked_before_every_batch(tmp_path, registered):
         handle.remove()
     assert t.run_stats["n_forward_passes"] == 1          # the other two came from disk
     assert t.run_stats["disk_hits"] == 2
+    # three misses at the first look, but one conversation extracted here
+    assert t.run_stats["misses"] == 3 and t.run_stats["n_extracted"] == 1
     assert np.array_equal(got.values, expected.values)
     assert not glob.glob(str(tmp_path / "b" / "*" / "*.claim"))  # own claims released
 
@@ -436,6 +438,7 @@ def test_a_conversation_claimed_elsewhere_is_done_last_and_taken_from_disk(
         finally:
             handle.remove()
         assert t.run_stats["n_forward_passes"] == 2, c   # c was put off, then read
+        assert t.run_stats["n_extracted"] == 2, c
         assert np.array_equal(got.values, expected.values)
         claims = glob.glob(str(shared / "*" / "*.claim"))
         assert [Path(f).name for f in claims] == [f"{keys[c]}.safetensors.claim"]
@@ -452,7 +455,7 @@ def test_a_claim_left_by_a_killed_process_delays_but_never_blocks(tmp_path, regi
         assert stale.claim(key)
     t = TurnActivationTransformer(name, cache_dir=tmp_path / "shared", memory_cache=False)
     got = t.fit(convs).transform(convs)
-    assert t.run_stats["n_forward_passes"] == 3
+    assert t.run_stats["n_forward_passes"] == t.run_stats["n_extracted"] == 3
     ref = TurnActivationTransformer(name, memory_cache=False).fit(convs).transform(convs)
     assert np.array_equal(got.values, ref.values)
     assert len(_entry_files(tmp_path / "shared")) == 3

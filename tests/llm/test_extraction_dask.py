@@ -83,6 +83,7 @@ def test_dask_extraction_is_bitwise_equal_to_serial(client, model_dir, tmp_path,
     # The twin is extracted once: one pass per distinct conversation (batch_size=1),
     # one file per distinct conversation, written by the workers.
     assert serial.run_stats["n_forward_passes"] == dist.run_stats["n_forward_passes"] == -(-9 // batch_size)
+    assert serial.run_stats["n_extracted"] == dist.run_stats["n_extracted"] == 9
     assert len(_files(cache_dir)) == 9
     # A fresh serial transformer reads the workers' files: no forward pass.
     again = TurnActivationTransformer(model_dir, memory_cache=False, batch_size=batch_size,
