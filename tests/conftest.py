@@ -21,7 +21,7 @@ def pytest_configure(config):
     Each worker is a process with its own torch thread pool, which by default
     takes every core: two workers on two cores would run four spinning OpenMP
     threads, and a tiny model's many small parallel regions then wait for
-    descheduled threads (measured: one Gemma-3 test 12x slower). Each worker gets
+    descheduled threads. Each worker gets
     ``cores // workers`` threads (at least one), and so do the processes it
     starts (Dask workers, subprocess tests) through ``OMP_NUM_THREADS``, unless the
     caller set it. A run without workers is left as it is.
