@@ -29,6 +29,7 @@ graft active during the prompt's forward pass.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import numbers
@@ -159,17 +160,98 @@ def _answer_pass(lm, prefix, *, direct_tokens=None):
 
 
 def _rollback(cache, length):
-    """Cut a KV cache back to its first ``length`` tokens.
+    """Cut a KV cache back to its first ``length`` tokens, layer by layer.
 
     ``crop(-n)`` removes the last ``n`` tokens in transformers 4 (``max_length``
-    below 0) and 5 (``tokens_to_remove``) alike.
+    below 0) and 5 (``tokens_to_remove``) alike. A pass that resumed at a later
+    layer (:class:`_LayerResume`) appended to that layer and the ones above only,
+    so a cache with per-layer entries is cut by each layer's own excess.
     """
-    now = int(cache.get_seq_length())
-    if now > length:
-        cache.crop(-(now - length))
-    if int(cache.get_seq_length()) != length:
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        for index, layer in enumerate(layers):
+            extra = int(cache.get_seq_length(index)) - length
+            if extra > 0:
+                layer.crop(-extra)
+        held = sorted({int(cache.get_seq_length(index)) for index in range(len(layers))})
+    else:
+        now = int(cache.get_seq_length())
+        if now > length:
+            cache.crop(-(now - length))
+        held = [int(cache.get_seq_length())]
+    if held != [length]:
         raise RuntimeError(f"could not roll the KV cache back to {length} tokens "
-                           f"(it holds {int(cache.get_seq_length())}).")
+                           f"(its layers hold {held}).")
+
+
+class _LayerResume:
+    """Run a packed pass from decoder layer ``first`` on, with the layers below it known.
+
+    A graft at the answer position changes nothing below the lowest grafted
+    layer: every earlier layer sees the same tokens, cache and mask as in the
+    clean pass. So the clean pass keeps each layer's output
+    (:meth:`keep`), and a grafted pass replaces layers ``0 .. first - 1`` by
+    stand-ins returning layer ``first - 1``'s kept output (:meth:`resume`): the
+    layers from ``first`` on compute exactly what the full pass computes, in
+    the same order and shapes. Used only where a decoder layer returns a plain
+    tensor and the cache has per-layer entries (transformers 5); elsewhere every
+    layer runs.
+    """
+
+    def __init__(self, layout):
+        self.layout = layout
+        self.outputs = None  # the clean pass's layer outputs, or None
+
+    @contextlib.contextmanager
+    def keep(self):
+        import torch
+
+        outputs = [None] * len(self.layout.layers)
+
+        def hook(index):
+            def keep_output(module, args, output):
+                outputs[index] = output.detach().clone() if torch.is_tensor(output) else None
+            return keep_output
+
+        handles = [layer.register_forward_hook(hook(i))
+                   for i, layer in enumerate(self.layout.layers)]
+        self.outputs = None
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+        if all(o is not None for o in outputs):
+            self.outputs = outputs
+
+    def first_layer(self, override):
+        """The layer a pass with ``override`` can start from (0: every layer runs)."""
+        if not override or self.outputs is None:
+            return 0
+        return min(int(layer) for layer, _ in override)
+
+    @contextlib.contextmanager
+    def resume(self, first):
+        if first <= 0:
+            yield
+            return
+        hidden = self.outputs[first - 1].clone()
+
+        def known(*args, **kwargs):
+            return hidden
+
+        saved = []
+        try:
+            for layer in self.layout.layers[:first]:
+                saved.append((layer, layer.__dict__.get("forward")))
+                layer.forward = known
+            yield
+        finally:
+            for layer, previous in saved:
+                if previous is None:
+                    del layer.forward
+                else:
+                    layer.forward = previous
 
 
 class _AnswerSession:
@@ -192,6 +274,7 @@ class _AnswerSession:
         self.prefix = np.asarray(prefix, dtype=np.int64)
         self.layout = decoder_layout(lm)
         self.device = self.layout.embedding.weight.device
+        self.resume = _LayerResume(self.layout)
         self.cache = None
         if cache is not None:  # the prompt's KV cache, kept from an earlier read
             self.cache = cache
@@ -211,7 +294,9 @@ class _AnswerSession:
         ``(n_layers, n_heads, n_keys)``) and the heads' direct effects on
         ``direct_tokens`` there (or ``None``). ``rows=False`` says the caller
         does not need the rows: a sliding-window model then skips the clean pass
-        that would give them (its rows may be ``None``).
+        that would give them, and a grafted step after a clean one starts at the
+        lowest grafted layer (:class:`_LayerResume`; the same scores bit for
+        bit); its rows are then ``None``.
         """
         import torch
 
@@ -220,6 +305,9 @@ class _AnswerSession:
         # one pass: the answer position (query 0) and the candidates packed behind it
         n = len(self.prefix)
         width = n + packed_queries([self.continuations], lead=True) - 1  # keys of the pass
+        first = 0
+        if not rows and direct_tokens is None and hasattr(self.cache, "layers"):
+            first = self.resume.first_layer(override)
         if override:
             padded = {}
             for head, w in override.items():
@@ -228,16 +316,17 @@ class _AnswerSession:
                     [w, np.zeros(w.shape[:-1] + (width - w.shape[-1],), np.float32)], -1)
             override = padded
         mask2d = torch.ones((1, self.base), dtype=torch.long)
+        layers = self.resume.keep() if not override else self.resume.resume(first)
         try:
             with _DirectCapture(self.layout, direct_tokens is not None, row=0) as capture, \
                     torch.inference_mode(), \
-                    head_attention_rows(self.lm, [0], override=override) as recorded:
+                    head_attention_rows(self.lm, [0], override=override) as recorded, layers:
                 scores = _score_packed(self.lm, self.cache, None, mask2d, [self.base],
                                        [self.continuations], self.number_mask, self.pad_id,
                                        self.device, lead=[int(self.prefix[-1])])[0]
         finally:
             _rollback(self.cache, self.base)
-        rows = recorded.stacked()[:, 0, :, 0, :n]
+        rows = None if first else recorded.stacked()[:, 0, :, 0, :n]
         direct = None
         if direct_tokens is not None:
             with torch.inference_mode():
@@ -851,6 +940,8 @@ n_conversations_fit_
         grafted = sorted(i for i, configs in requests.items()
                          if any(_active(c, mix) for c in configs))
         start = time.perf_counter()
+        total = sum(sum(_active(c, mix) for c in requests[i]) for i in grafted)
+        scored = 0
         for done, i in enumerate(grafted, 1):
             session = self._session(lm, plan, i, kv)
             _, rows, _ = session.step()
@@ -859,13 +950,17 @@ n_conversations_fit_
                     grafts = _graft_rows(rows, list(config[0]), list(config[1]), mix)
                     override = {head: w[None, :] for head, w in grafts.items()}
                     out[i, config] = session.step(override=override, rows=False)[0]
+                    scored += 1
                     if store is not None:
                         store.scores[i, config] = np.asarray(out[i, config], dtype=np.float64)
             del session
             if store is not None:
                 store.save()
-            log(self, 2, f"grafted {len(requests[i])} heads' choices on {done}/{len(grafted)} "
-                         f"conversations, {time.perf_counter() - start:.2f} s")
+            elapsed = time.perf_counter() - start
+            log(self, 1, f"grafts {done}/{len(grafted)} conversations "
+                         f"({convs[i].record_id or i}): {scored}/{total} scorings, "
+                         f"{elapsed:.2f} s, about {elapsed / scored * (total - scored):.0f} s left"
+                if scored else f"grafts {done}/{len(grafted)} conversations: {elapsed:.2f} s")
         return out
 
     # ------------------------------------------------------------------ prediction

@@ -159,6 +159,46 @@ def test_grafted_scores_match_a_full_sequence_reference(tiny, convs, name):
 
 
 # ----------------------------------------------------------------------------- ranking
+@pytest.mark.parametrize("make", [make_tiny_llama, make_tiny_qwen2])
+def test_a_grafted_step_resumes_at_the_lowest_grafted_layer_bit_for_bit(tiny, make):
+    from skafa.baselines import _grafted
+
+    model = _sharpen(make(n_layers=4, seed=11, max_position_embeddings=512))
+    if make is make_tiny_qwen2:
+        model.set_attn_implementation("sdpa")
+    vocab = model.get_output_embeddings().weight.shape[0]
+    mask = number_continuation_mask(tiny, vocab)
+    prefix = np.random.default_rng(0).integers(3, vocab, size=40)
+    digits = np.flatnonzero(mask)[:4].tolist()
+    conts = [[digits[0]], [digits[1], digits[2]], [digits[3], digits[0], digits[1]]]
+    layers = decoder_layout(model).layers
+    wrapper = layers[1].forward  # an instance-level forward (as accelerate sets) comes back
+    layers[1].forward = wrapper
+    ran = []
+    hooks = [layer.self_attn.register_forward_hook(lambda m, a, o, i=i: ran.append(i))
+             for i, layer in enumerate(layers)]
+    session = _grafted._AnswerSession(model, prefix, conts, mask, 0)
+    clean, rows, _ = session.step()
+    try:
+        for heads in ([(1, 0)], [(2, 3), (3, 1)], [(3, 2)], [(0, 1), (2, 0)]):
+            override = {h: rows[(h[0] + 1) % 4, (h[1] + 1) % 4][None] for h in heads}
+            full, full_rows, _ = session.step(override=override)  # rows wanted: every layer
+            del ran[:]
+            fast, fast_rows, _ = session.step(override=override, rows=False)
+            first = min(layer for layer, _ in heads)
+            assert sorted(set(ran)) == list(range(first, 4))
+            assert (fast_rows is None) == (first > 0) and full_rows is not None
+            np.testing.assert_array_equal(fast, full)
+            assert np.abs(full - clean).max() > 1e-4  # the graft does change the scores
+            assert all("forward" not in layer.__dict__ for i, layer in enumerate(layers)
+                       if i != 1) and layers[1].__dict__["forward"] is wrapper
+            assert {int(session.cache.get_seq_length(i)) for i in range(4)} == {39}
+    finally:
+        for hook in hooks:
+            hook.remove()
+    np.testing.assert_array_equal(session.step()[0], clean)  # the cache is whole again
+
+
 def test_locator_scores_are_the_mean_mass_on_the_decisive_turn(tiny, convs):
     judge = GraftedJudge(LLAMA, locator_grid=(2,), writer_grid=(3,)).fit(convs)
     model, tok = load_model(LLAMA)  # eager: output_attentions is the reference
