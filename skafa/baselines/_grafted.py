@@ -959,8 +959,7 @@ n_conversations_fit_
             elapsed = time.perf_counter() - start
             log(self, 1, f"grafts {done}/{len(grafted)} conversations "
                          f"({convs[i].record_id or i}): {scored}/{total} scorings, "
-                         f"{elapsed:.2f} s, about {elapsed / scored * (total - scored):.0f} s left"
-                if scored else f"grafts {done}/{len(grafted)} conversations: {elapsed:.2f} s")
+                         f"{elapsed:.2f} s, about {elapsed / scored * (total - scored):.0f} s left")
         return out
 
     # ------------------------------------------------------------------ prediction
