@@ -607,7 +607,12 @@ default="auto"
         process, read that folder instead (a few seconds). The weights are
         bit-identical either way, so the in-process cache, :func:`model_identity`
         and :func:`model_fingerprint` (hence activation cache keys) do not depend
-        on it. The folder is checked before it is used (its manifest
+        on it. The tokenizer is the one read back from the folder, on the first
+        load too: saving can change a tokenizer (Qwen2's class puts back the NFC
+        normaliser that transformers' GGUF read leaves out), and the first run
+        must render and key its prompts as later runs do (without
+        ``convert_dir`` the tokenizer is the GGUF read's). The folder is checked
+        before it is used (its manifest
         ``skafa-converted.json``: format, GGUF digest, transformers major version,
         and the SHA-256 of every file, which must be exactly the files present,
         regular files, no links); a bad folder is reported with a
@@ -730,11 +735,18 @@ def _read_converted(folder, tok_source, trust_remote_code):
         str(folder), dtype=torch.float32, use_safetensors=True, local_files_only=True,
         trust_remote_code=False)
     if tok_source is None:
-        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
-                                            trust_remote_code=False)
+        tok = _read_converted_tokenizer(folder)
     else:
         tok = AutoTokenizer.from_pretrained(tok_source, trust_remote_code=trust_remote_code)
     return lm, tok
+
+
+def _read_converted_tokenizer(folder):
+    """The tokenizer saved in a converted folder, as every load after the first reads it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+                                         trust_remote_code=False)
 
 
 def _load_converted(spec, tok_source, kw, convert_dir, where):
@@ -780,7 +792,30 @@ def _load_converted(spec, tok_source, kw, convert_dir, where):
     _check_fast(user_tok, where)
     if writable:
         _write_converted(lm, tok, root, digest, gguf)
+        if tok_source is None:
+            user_tok = _first_load_tokenizer(folder, digest, gguf, tok, spec, where)
     return lm, user_tok
+
+
+def _first_load_tokenizer(folder, digest, gguf, tok, spec, where):
+    """The tokenizer a first (converting) load returns: the one later loads will read.
+
+    Saving and reading back can change a tokenizer: Qwen2's class puts back the NFC
+    normaliser that transformers' GGUF read leaves out. Every later load reads the
+    converted folder, so the first load returns the tokenizer read from it too; else
+    the first run's prompts and activation cache keys (which hold the tokenizer's
+    fingerprint) would differ from every later run's. ``tok`` (the GGUF file's) stays
+    when no usable folder was written.
+    """
+    if _converted_problem(folder, digest, gguf.stat().st_size)[0] is not None:
+        return tok
+    try:
+        again = _read_converted_tokenizer(folder)
+    except Exception:  # noqa: BLE001 - the next load reports and rebuilds the folder
+        return tok
+    _check_fast(again, where)
+    again.name_or_path = spec.source
+    return again
 
 
 def _bad_name(name):

@@ -629,6 +629,50 @@ def test_extractor_keeps_converted_models_in_its_cache_dir(fake_gguf, tmp_path):
     assert len(reads) == 1
 
 
+def _qwen2_class_tokenizer(tmp_path):
+    """The tiny tokenizer as class Qwen2Tokenizer without a normaliser: transformers'
+    GGUF read of a Qwen2.5 file gives that; read back after saving, the class adds NFC."""
+    from transformers import Qwen2Tokenizer
+
+    folder = tmp_path / "qwen2-class"
+    make_tiny_tokenizer().save_pretrained(str(folder))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "Qwen2Tokenizer"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Qwen2Tokenizer.from_pretrained(str(folder))
+    tok.backend_tokenizer.normalizer = None
+    return tok
+
+
+def test_convert_dir_first_load_returns_the_tokenizer_later_loads_read(tmp_path,
+                                                                       monkeypatch):
+    """A first (converting) load and every later one give the same tokenizer, so the
+    activation cache keys of the first run are those of later runs."""
+    pytest.importorskip("gguf", reason="loading GGUF needs: pip install \"skafa[gguf]\"")
+    pytest.importorskip("accelerate", reason="loading GGUF needs: pip install \"skafa[gguf]\"")
+    from skafa.llm._extraction import _tokenizer_fingerprint
+
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    as_read = _qwen2_class_tokenizer(tmp_path)
+    monkeypatch.setattr(models, "_read_gguf",
+                        lambda spec, kw: (make_tiny_llama(), _qwen2_class_tokenizer(tmp_path)))
+    clear_model_cache()
+    try:
+        _, first = load_model(str(gguf), convert_dir=tmp_path / "converted")
+        clear_model_cache()
+        _, later = load_model(str(gguf), convert_dir=tmp_path / "converted")
+    finally:
+        clear_model_cache()
+    assert as_read.backend_tokenizer.normalizer is None  # what the GGUF read gave
+    assert type(later.backend_tokenizer.normalizer).__name__ == "NFC"  # saving changed it
+    assert _tokenizer_fingerprint(first) == _tokenizer_fingerprint(later)
+    assert _tokenizer_fingerprint(first) != _tokenizer_fingerprint(as_read)
+    assert first.name_or_path == later.name_or_path
+    text = "cafe\u0301 na\u0131ve"  # NFC composes e + combining acute: tokens differ
+    assert first(text)["input_ids"] == later(text)["input_ids"]
+
+
 @pytest.mark.integration
 def test_smollm2_convert_dir_round_trip(tmp_path, monkeypatch):
     """Load SmolLM2 from its GGUF file (converting), then from the converted folder."""
