@@ -419,6 +419,23 @@ def run_locator_benchmark(settings, conversations, *, subset_label=None, log=Non
         return _run_locator_benchmark(settings, conversations, subset_label, log)
 
 
+def _stored_fits(store, row, splits, n):
+    """``{(repeat, fold): (predictions, choice, seconds)}`` of ``row`` in ``store``, checked."""
+    keys = [(0, 0, n)] if row == "judge" else [(r, f, len(test)) for r, f, _, test in splits]
+    fits = {}
+    for r, f, n_test in keys:
+        store.check(r, f, n_test)
+        got = store.get(r, f).get(row)
+        if got is None:
+            continue
+        if not isinstance(got[2], dict) or {"choice", "seconds"} - set(got[2]):
+            raise ResultStoreError(f"{store.path}: the stored fit {row!r} of repeat "
+                                   f"{r} fold {f} lacks its choice or seconds; "
+                                   "remove the file.")
+        fits[r, f] = (got[0], got[2]["choice"], float(got[2]["seconds"]))
+    return fits
+
+
 def _run_locator_benchmark(settings, conversations, subset_label, log):
     unknown = [r for r in settings.rows if r not in LOCATOR_ROWS]
     if unknown:
@@ -454,18 +471,7 @@ def _run_locator_benchmark(settings, conversations, subset_label, log):
             stores[row] = store = FoldResultStore(out / f"{stem}.partial-{row}.json",
                                                   _store_signature(base, settings, row,
                                                                    judge_template))
-            keys = [(0, 0, len(convs))] if row == "judge" else [
-                (r, f, len(test)) for r, f, _, test in splits]
-            for r, f, n_test in keys:
-                store.check(r, f, n_test)
-                got = store.get(r, f).get(row)
-                if got is None:
-                    continue
-                if not isinstance(got[2], dict) or {"choice", "seconds"} - set(got[2]):
-                    raise ResultStoreError(f"{store.path}: the stored fit {row!r} of repeat "
-                                           f"{r} fold {f} lacks its choice or seconds; "
-                                           "remove the file.")
-                done[row][r, f] = (got[0], got[2]["choice"], float(got[2]["seconds"]))
+            done[row] = _stored_fits(store, row, splits, len(convs))
     reused = {row: len(done[row]) for row in rows if done[row]}
     todo = {row: [s for s in splits if (s[0], s[1]) not in done[row]] for row in rows}
     if "judge" in rows and done["judge"]:
@@ -537,6 +543,16 @@ def _run_locator_benchmark(settings, conversations, subset_label, log):
                 _say(log, f"judge: {len(convs)} conversations in "
                           f"{done['judge'][0, 0][2]:.1f}s (fitted once, all outer fits)")
             continue
+        if row in stores and todo[row]:
+            # another process (e.g. a second runner with --rows) may have stored fits of
+            # this row since the start: read them, fit only the rest
+            done[row].update(_stored_fits(stores[row].refresh(), row, splits, len(convs)))
+            found = [s for s in todo[row] if (s[0], s[1]) in done[row]]
+            if found:
+                reused[row] = reused.get(row, 0) + len(found)
+                todo[row] = [s for s in todo[row] if (s[0], s[1]) not in done[row]]
+                _say(log, f"{row}: {len(found)} outer fits found in {stores[row].path.name}, "
+                          "stored since this run started")
         if not todo[row]:
             continue
         t = time.perf_counter()

@@ -50,8 +50,9 @@ class FoldResultStore:
 
     One JSON file holds a ``signature`` (every setting the results depend on) and,
     per outer fit ``"<repeat>|<fold>"``, each method's test predictions, inner
-    score and choices. It is rewritten atomically after each :meth:`put`; several
-    processes may fill different files at the same time.
+    score and choices. It is rewritten atomically after each :meth:`put`, which
+    first reads the file again, so fits another process added meanwhile are kept;
+    several processes may fill different files at the same time.
 
     Parameters
     ----------
@@ -73,24 +74,45 @@ class FoldResultStore:
 
     def __init__(self, path, signature):
         self.path, self.signature = Path(path), _canonical(signature)
-        self.entries = {}
-        if self.path.exists():
-            old = read_json(self.path)
-            if not isinstance(old, dict) or not isinstance(old.get("entries"), dict):
-                raise ResultStoreError(f"{self.path} is not a fold result store; remove it.")
-            if _canonical(old.get("signature")) != self.signature:
-                raise ResultStoreError(
-                    f"{self.path} was written with other settings "
-                    "(model, prompt, sites, folds or records); remove it.")
-            for key, fits in old["entries"].items():
-                if not re.fullmatch(r"\d+\|\d+", key) or not isinstance(fits, dict):
-                    raise ResultStoreError(f"{self.path}: bad entry {key!r}; remove it.")
-                for name, v in fits.items():
-                    if not isinstance(v, dict) or not {"pred", "score", "info"} <= set(v):
-                        raise ResultStoreError(
-                            f"{self.path}: the stored fit {name!r} of {key} lacks "
-                            "pred/score/info; remove it.")
-            self.entries = old["entries"]
+        self.entries = self._read()
+
+    def _read(self):
+        """The file's entries, checked (``{}`` when there is no file yet)."""
+        if not self.path.exists():
+            return {}
+        old = read_json(self.path)
+        if not isinstance(old, dict) or not isinstance(old.get("entries"), dict):
+            raise ResultStoreError(f"{self.path} is not a fold result store; remove it.")
+        if _canonical(old.get("signature")) != self.signature:
+            raise ResultStoreError(
+                f"{self.path} was written with other settings "
+                "(model, prompt, sites, folds or records); remove it.")
+        for key, fits in old["entries"].items():
+            if not re.fullmatch(r"\d+\|\d+", key) or not isinstance(fits, dict):
+                raise ResultStoreError(f"{self.path}: bad entry {key!r}; remove it.")
+            for name, v in fits.items():
+                if not isinstance(v, dict) or not {"pred", "score", "info"} <= set(v):
+                    raise ResultStoreError(
+                        f"{self.path}: the stored fit {name!r} of {key} lacks "
+                        "pred/score/info; remove it.")
+        return old["entries"]
+
+    def refresh(self):
+        """Read the file again: fits another process stored meanwhile are added.
+
+        A fit this store holds and the file lacks is kept; for a fit both hold,
+        the file's wins (it is the latest write). :meth:`put` refreshes before it
+        writes, so two processes filling the same file do not erase each other's
+        fits (a write that lands between another's read and rename still can:
+        the store is not a lock).
+
+        Returns
+        -------
+        self : FoldResultStore
+        """
+        for key, fits in self._read().items():
+            self.entries.setdefault(key, {}).update(fits)
+        return self
 
     def get(self, repeat, fold):
         """``{method: (predictions, inner score, info)}`` stored for one outer fit."""
@@ -107,7 +129,12 @@ class FoldResultStore:
                     f"has {p.shape} predictions for {n_test} test runs; remove the file.")
 
     def put(self, repeat, fold, out):
-        """Add ``{method: (predictions, inner score, info)}`` of one outer fit; write."""
+        """Add ``{method: (predictions, inner score, info)}`` of one outer fit; write.
+
+        The file is read again first (:meth:`refresh`), so fits another process
+        stored in it meanwhile are kept.
+        """
+        self.refresh()
         entry = self.entries.setdefault(f"{repeat}|{fold}", {})
         for n, (pred, score, info) in out.items():
             entry[n] = {"pred": np.asarray(pred).astype(int).tolist(), "score": score,

@@ -140,6 +140,40 @@ def test_an_interrupted_judge_goes_on_conversation_by_conversation(tmp_path, mon
     assert resumed["predictions"] == whole["predictions"]
 
 
+def test_resume_reads_fits_stored_by_another_process_during_the_run(tmp_path, monkeypatch):
+    """A row's store is read again just before the row is fitted: fits a second process
+    stored meanwhile are used, not refitted, and not overwritten."""
+    import shutil
+
+    bench = _load("benchmark_locators")
+    args = ["--smoke", "--rows", "position,most_frequent", "--resume"]
+    elsewhere, out = tmp_path / "elsewhere", tmp_path / "out"
+    whole = bench.main(args + ["--out", str(elsewhere)])
+    name = f"{STEM}.partial-most_frequent.json"
+    real_position, real_frequent = locators._FITS["position"], locators._FITS["most_frequent"]
+    frequent_fits = []
+
+    def position(cell, folds):  # runs first; meanwhile "another process" stores its row
+        shutil.copyfile(elsewhere / name, out / name)
+        yield from real_position(cell, folds)
+
+    def most_frequent(cell, folds):
+        for fit in real_frequent(cell, folds):
+            frequent_fits.append(fit[:2])
+            yield fit
+
+    monkeypatch.setitem(locators._FITS, "position", position)
+    monkeypatch.setitem(locators._FITS, "most_frequent", most_frequent)
+    out.mkdir()
+    result = bench.main(args + ["--out", str(out)])
+    assert frequent_fits == []  # found in the store, not fitted again
+    n_fits = len(json.loads((elsewhere / name).read_text())["entries"])
+    assert n_fits >= 2 and result["resumed"]["fits_reused"] == {"most_frequent": n_fits}
+    assert (out / name).read_bytes() == (elsewhere / name).read_bytes()
+    assert result["predictions"] == whole["predictions"]
+    assert result["summary"] == whole["summary"]
+
+
 def test_resume_refuses_a_store_of_other_settings(tmp_path):
     bench = _load("benchmark_locators")
     args = ["--smoke", "--rows", "most_frequent", "--out", str(tmp_path), "--resume"]

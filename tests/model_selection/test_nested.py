@@ -251,6 +251,27 @@ def test_resume_from_a_partial_store_gives_identical_tables(tmp_path):
         FoldResultStore(tmp_path / "part.json", sig)
 
 
+def test_fold_result_store_keeps_the_fits_another_process_stored(tmp_path):
+    path, sig = tmp_path / "store.json", {"folds": 2}
+    a, b = FoldResultStore(path, sig), FoldResultStore(path, sig)  # two processes
+    a.put(0, 0, {"probe": (np.array([1, 2]), 0.5, {"C": 1})})
+    b.put(0, 1, {"probe": (np.array([3]), 0.25, {"C": 2})})  # b opened before a wrote
+    on_disk = FoldResultStore(path, sig)
+    assert on_disk.get(0, 0)["probe"][0].tolist() == [1, 2]
+    assert on_disk.get(0, 1)["probe"][0].tolist() == [3]
+    assert a.get(0, 1) == {}
+    assert a.refresh() is a and a.get(0, 1)["probe"][0].tolist() == [3]
+    # a fit both hold: the file's (the latest write) wins at a refresh
+    b.put(0, 0, {"probe": (np.array([0, 0]), 0.75, {"C": 3})})
+    assert a.refresh().get(0, 0)["probe"][1] == 0.75
+    # a damaged file is refused at the refresh, naming it
+    path.write_text('{"signature": {"folds": 2}, "entries": {"x": {}}}')
+    with pytest.raises(ResultStoreError, match="store.json: bad entry 'x'"):
+        a.refresh()
+    with pytest.raises(ResultStoreError, match="store.json: bad entry 'x'"):
+        a.put(1, 0, {"probe": (np.array([1]), 0.0, {})})
+
+
 def test_judge_score_store_refuses_another_conversation(tmp_path):
     store = JudgeScoreStore(tmp_path / "judge.json", {"model": "m"})
     store.put("r1", "d1", [0.1, 0.9])
