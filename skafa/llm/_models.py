@@ -607,12 +607,10 @@ default="auto"
         process, read that folder instead (a few seconds). The weights are
         bit-identical either way, so the in-process cache, :func:`model_identity`
         and :func:`model_fingerprint` (hence activation cache keys) do not depend
-        on it. The tokenizer is the one read back from the folder, on the first
-        load too: saving can change a tokenizer (Qwen2's class puts back the NFC
-        normaliser that transformers' GGUF read leaves out), and the first run
-        must render and key its prompts as later runs do (without
-        ``convert_dir`` the tokenizer is the GGUF read's). The folder is checked
-        before it is used (its manifest
+        on it; nor does the tokenizer, which every GGUF load returns as saved
+        and read back (Qwen2's class then puts back the NFC normaliser that
+        transformers' GGUF read leaves out). The folder is checked before it is
+        used (its manifest
         ``skafa-converted.json``: format, GGUF digest, transformers major version,
         and the SHA-256 of every file, which must be exactly the files present,
         regular files, no links); a bad folder is reported with a
@@ -689,14 +687,20 @@ def _load(spec, tok_source, dtype_name, device_name, trust_remote_code, convert_
         lm, tok = _load_converted(spec, tok_source, kw, convert_dir, where)
         lm = lm.to(dtype=getattr(torch, dtype_name)).to(device_name)
         return _prepare(lm), tok
+    torch_dtype = getattr(torch, dtype_name)
+    if spec.gguf_file is not None and tok_source is None:
+        # transformers dequantises GGUF tensors to float32; cast afterwards. The
+        # tokenizer as a converted folder gives it (see _as_saved).
+        lm, tok = _read_gguf(spec, kw)
+        tok = _as_saved(tok, spec.source)
+        _check_fast(tok, where)
+        return _prepare(lm.to(dtype=torch_dtype).to(device_name)), tok
     if tok_source is None:
         tok = AutoTokenizer.from_pretrained(spec.source, **kw)
     else:
         tok = AutoTokenizer.from_pretrained(tok_source, trust_remote_code=trust_remote_code)
     _check_fast(tok, where)
-    torch_dtype = getattr(torch, dtype_name)
     if spec.gguf_file is not None:
-        # transformers dequantises GGUF tensors to float32; cast afterwards.
         lm = AutoModelForCausalLM.from_pretrained(spec.source, **kw)
         lm = lm.to(dtype=torch_dtype)
     else:
@@ -726,6 +730,26 @@ def _read_gguf(spec, kw):
     return lm, tok
 
 
+def _as_saved(tokenizer, name):
+    """A GGUF file's tokenizer as saving and reading it back gives it.
+
+    Saving can change a tokenizer: Qwen2's class puts back the NFC normaliser that
+    transformers' GGUF read leaves out. A converted folder holds the saved one, so
+    every GGUF load returns that one — converting or not, first load or later —
+    and prompts (hence activation cache keys, which hold the tokenizer's
+    fingerprint) do not depend on how the model was loaded. ``name`` becomes its
+    ``name_or_path`` (the GGUF file's folder, as a converted folder's load sets it).
+    """
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="skafa-tokenizer-") as folder:
+        tokenizer.save_pretrained(folder)
+        again = AutoTokenizer.from_pretrained(folder, local_files_only=True,
+                                              trust_remote_code=False)
+    again.name_or_path = name
+    return again
+
+
 def _read_converted(folder, tok_source, trust_remote_code):
     """Model (float32, safetensors only) and tokenizer from a checked converted folder."""
     import torch
@@ -735,18 +759,11 @@ def _read_converted(folder, tok_source, trust_remote_code):
         str(folder), dtype=torch.float32, use_safetensors=True, local_files_only=True,
         trust_remote_code=False)
     if tok_source is None:
-        tok = _read_converted_tokenizer(folder)
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+                                            trust_remote_code=False)
     else:
         tok = AutoTokenizer.from_pretrained(tok_source, trust_remote_code=trust_remote_code)
     return lm, tok
-
-
-def _read_converted_tokenizer(folder):
-    """The tokenizer saved in a converted folder, as every load after the first reads it."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
-                                         trust_remote_code=False)
 
 
 def _load_converted(spec, tok_source, kw, convert_dir, where):
@@ -785,6 +802,7 @@ def _load_converted(spec, tok_source, kw, convert_dir, where):
                    "not cached; remove the folder by hand."),
                 CacheCorruptionWarning, stacklevel=4)
     lm, tok = _read_gguf(spec, kw)
+    tok = _as_saved(tok, spec.source)
     user_tok = tok
     if tok_source is not None:
         user_tok = AutoTokenizer.from_pretrained(tok_source,
@@ -792,30 +810,7 @@ def _load_converted(spec, tok_source, kw, convert_dir, where):
     _check_fast(user_tok, where)
     if writable:
         _write_converted(lm, tok, root, digest, gguf)
-        if tok_source is None:
-            user_tok = _first_load_tokenizer(folder, digest, gguf, tok, spec, where)
     return lm, user_tok
-
-
-def _first_load_tokenizer(folder, digest, gguf, tok, spec, where):
-    """The tokenizer a first (converting) load returns: the one later loads will read.
-
-    Saving and reading back can change a tokenizer: Qwen2's class puts back the NFC
-    normaliser that transformers' GGUF read leaves out. Every later load reads the
-    converted folder, so the first load returns the tokenizer read from it too; else
-    the first run's prompts and activation cache keys (which hold the tokenizer's
-    fingerprint) would differ from every later run's. ``tok`` (the GGUF file's) stays
-    when no usable folder was written.
-    """
-    if _converted_problem(folder, digest, gguf.stat().st_size)[0] is not None:
-        return tok
-    try:
-        again = _read_converted_tokenizer(folder)
-    except Exception:  # noqa: BLE001 - the next load reports and rebuilds the folder
-        return tok
-    _check_fast(again, where)
-    again.name_or_path = spec.source
-    return again
 
 
 def _bad_name(name):

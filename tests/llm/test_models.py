@@ -644,10 +644,10 @@ def _qwen2_class_tokenizer(tmp_path):
     return tok
 
 
-def test_convert_dir_first_load_returns_the_tokenizer_later_loads_read(tmp_path,
-                                                                       monkeypatch):
-    """A first (converting) load and every later one give the same tokenizer, so the
-    activation cache keys of the first run are those of later runs."""
+def test_every_gguf_load_returns_the_tokenizer_a_converted_folder_gives(tmp_path,
+                                                                        monkeypatch):
+    """A first (converting) load, every later one and a load without ``convert_dir``
+    give the same tokenizer, so activation cache keys do not depend on which it was."""
     pytest.importorskip("gguf", reason="loading GGUF needs: pip install \"skafa[gguf]\"")
     pytest.importorskip("accelerate", reason="loading GGUF needs: pip install \"skafa[gguf]\"")
     from skafa.llm._extraction import _tokenizer_fingerprint
@@ -662,11 +662,14 @@ def test_convert_dir_first_load_returns_the_tokenizer_later_loads_read(tmp_path,
         _, first = load_model(str(gguf), convert_dir=tmp_path / "converted")
         clear_model_cache()
         _, later = load_model(str(gguf), convert_dir=tmp_path / "converted")
+        clear_model_cache()
+        _, unconverted = load_model(str(gguf))
     finally:
         clear_model_cache()
     assert as_read.backend_tokenizer.normalizer is None  # what the GGUF read gave
     assert type(later.backend_tokenizer.normalizer).__name__ == "NFC"  # saving changed it
-    assert _tokenizer_fingerprint(first) == _tokenizer_fingerprint(later)
+    assert (_tokenizer_fingerprint(first) == _tokenizer_fingerprint(later)
+            == _tokenizer_fingerprint(unconverted))
     assert _tokenizer_fingerprint(first) != _tokenizer_fingerprint(as_read)
     assert first.name_or_path == later.name_or_path
     text = "cafe\u0301 na\u0131ve"  # NFC composes e + combining acute: tokens differ
