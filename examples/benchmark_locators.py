@@ -11,6 +11,7 @@ Usage (from the repository root)::
     python examples/benchmark_locators.py --smoke          # tiny random model, seconds
     python examples/benchmark_locators.py --model smollm2 --cache-dir CACHE --extract-only
     python examples/benchmark_locators.py --model smollm2 --cache-dir CACHE --resume
+    python examples/benchmark_locators.py --model smollm2 --recheck-grafts 20
 
 Results: ``--out`` (default ``docs/results``) gets ``locators_<tag>_<subset>.json`` and
 ``.md``. With ``--resume`` every finished outer fit of every row is kept at once in
@@ -20,6 +21,8 @@ statistics and graft scores, conversation by conversation, in
 an interruption and only the missing fits are computed (the whole-set passes only for
 rows that still need them). ``--extract-only`` fills ``--cache-dir`` with the
 head-attention features and the recommended configuration's activations and stops.
+``--recheck-grafts N`` computes N graft scorings of the committed store again and
+compares them with it, bit for bit (a check that resumed stores are exact).
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--extract-only", action="store_true",
                    help="fill --cache-dir with the whole-set feature passes and stop "
                         "(no fits, no result files)")
+    p.add_argument("--recheck-grafts", type=int, default=0, metavar="N",
+                   help="compute N stored graft scorings of the cell's store again with "
+                        "this code, compare them bit for bit with the store, and stop")
     p.add_argument("--smoke", action="store_true",
                    help="a tiny random model on 20 synthetic records: checks the wiring only")
     return p.parse_args(argv)
@@ -71,7 +77,7 @@ def main(argv=None):
         out=args.out, max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype,
         rows=[r.strip() for r in args.rows.split(",") if r.strip()],
         n_resamples=args.n_resamples, resume=args.resume, extract_only=args.extract_only,
-        command=" ".join(["python"] + sys.argv))
+        recheck_grafts=args.recheck_grafts, command=" ".join(["python"] + sys.argv))
     if args.smoke:
         from skafa.llm import register_model
         from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer

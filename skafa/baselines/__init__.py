@@ -12,6 +12,7 @@ from ._grafted import (
     GraftedJudge,
     grafted_split_predictions,
     head_direct_effects,
+    recheck_graft_store,
 )
 from ._judge import (
     PromptedJudge,
@@ -23,4 +24,5 @@ __all__ = [
     "PromptedJudge",
     "grafted_split_predictions",
     "head_direct_effects",
+    "recheck_graft_store",
 ]

@@ -62,7 +62,8 @@ from ._judge import (
     score_candidates,
 )
 
-__all__ = ["GraftedJudge", "grafted_split_predictions", "head_direct_effects"]
+__all__ = ["GraftedJudge", "grafted_split_predictions", "head_direct_effects",
+           "recheck_graft_store"]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -1051,6 +1052,51 @@ n_conversations_fit_
                            [len(c) for c in plan.continuations])
 
 
+    @fit_context(prefer_skip_nested_validation=True)
+    def _recheck_store(self, X, y, path, n_scorings):
+        """:func:`recheck_graft_store` on this (unfitted copy of the) judge."""
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no graft store at {path}")
+        convs, lm, tokenizer = self._fit_model(X, None)
+        steps = self._check_decisive_steps(y, convs)
+        plan = self._candidate_plan(convs, lm, tokenizer)
+        store = self._open_store(path, convs, steps, plan, lm)
+        mix = float(self.mix)
+        stored = {}
+        for i, config in sorted(store.scores):
+            if _active(config, mix):
+                stored.setdefault(i, []).append(config)
+        # the shortest prompts first: the cheapest to read again
+        requests, n = {}, 0
+        for i in sorted(stored, key=lambda k: (len(plan.prefixes[k]), k)):
+            if n >= n_scorings:
+                break
+            requests[i] = stored[i][:n_scorings - n]
+            n += len(requests[i])
+        log(self, 1, f"recheck: {n} stored graft scorings of {len(requests)} conversations "
+                     f"of {store.path}")
+        start = time.perf_counter()
+        fresh = self._graft_scores(lm, convs, plan, requests)  # no store: all computed
+        seconds = time.perf_counter() - start
+        differ, worst = [], 0.0
+        for i, configs in requests.items():
+            for config in configs:
+                new = np.asarray(fresh[i, config], dtype=np.float64)
+                old = store.scores[i, config]
+                if not np.array_equal(new, old):
+                    gap = float(np.max(np.abs(new - old)))
+                    worst = max(worst, gap)
+                    differ.append({"conversation": convs[i].record_id or str(i),
+                                   "locators": [list(h) for h in config[0]],
+                                   "writers": [list(h) for h in config[1]],
+                                   "max_abs_difference": gap})
+        return {"n_checked": n, "n_equal": n - len(differ), "max_abs_difference": worst,
+                "differ": differ,
+                "conversations": [convs[i].record_id or str(i) for i in requests],
+                "n_prompt_tokens": int(sum(len(plan.prefixes[i]) for i in requests)),
+                "seconds": round(seconds, 2)}
+
+
 def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None, store=None,
                               kv_dir=None):
     """Test predictions of a :class:`GraftedJudge` fitted on each split's training part.
@@ -1124,3 +1170,54 @@ def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None, store
     from sklearn.base import clone
 
     return clone(judge)._split_predictions(X, y, list(splits), groups, store, kv_dir)
+
+
+def recheck_graft_store(judge, X, y=None, *, store, n_scorings=20):
+    """Compute stored graft scorings again and compare them with the store, bit for bit.
+
+    A store of :func:`grafted_split_predictions` may be resumed by other code than
+    the one that began it (a speed-up of the graft step, another library version).
+    This reads the store (checked as ``grafted_split_predictions`` checks it),
+    takes ``n_scorings`` of its graft scorings, those of the conversations with the
+    shortest prompts first, computes them again with this code and compares.
+    Nothing is written. Floating-point results depend on the number of threads
+    (``torch.get_num_threads()``): run it with the number the store was written
+    with for an exact comparison.
+
+    Parameters
+    ----------
+    judge : GraftedJudge
+        Unfitted template with the settings the store was written with.
+    X : list of Conversation
+    y : array-like of int, shape (n_conversations,), default=None
+        Decisive steps; ``None`` reads each conversation's ``mistake_step``.
+    store : str or path-like
+        The store's file (it must exist).
+    n_scorings : int, default=20
+        How many stored graft scorings to compute again (fewer when the store
+        holds fewer).
+
+    Returns
+    -------
+    result : dict
+        ``n_checked``, ``n_equal`` (equal bit for bit), ``max_abs_difference``,
+        ``differ`` (per differing scoring: conversation, heads, difference),
+        ``conversations`` (record ids read), ``n_prompt_tokens`` and ``seconds``.
+
+    Raises
+    ------
+    FileNotFoundError
+        When ``store`` does not exist.
+    ResultStoreError
+        When the store was written for other conversations, labels or settings,
+        or is damaged.
+    """
+    if not isinstance(judge, GraftedJudge):
+        raise TypeError(f"recheck_graft_store needs a GraftedJudge, got "
+                        f"{type(judge).__name__}.")
+    if (isinstance(n_scorings, bool) or not isinstance(n_scorings, numbers.Integral)
+            or n_scorings < 1):
+        raise ValueError(f"n_scorings must be a positive integer, got {n_scorings!r}.")
+    from sklearn.base import clone
+
+    return clone(judge)._recheck_store(X, y, store, int(n_scorings))

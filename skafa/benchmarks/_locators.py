@@ -46,6 +46,7 @@ from ..baselines import (
     DummyStepClassifier,
     GraftedJudge,
     grafted_split_predictions,
+    recheck_graft_store,
 )
 from ..compose import SiteConcatenator
 from ..configurations import RECOMMENDED, make_configuration
@@ -98,8 +99,9 @@ class LocatorBenchmarkSettings:
     model): the file stem is ``locators_smoke``. ``rows`` may leave rows out (a
     deviation, named in the result). ``resume=True`` keeps each row's finished outer
     fits in ``<out>/locators_<tag>_<subset>.partial-<row>.json`` and reuses them;
-    ``extract_only=True`` fills ``cache_dir`` with the whole-set features and stops
-    (see :func:`run_locator_benchmark`).
+    ``extract_only=True`` fills ``cache_dir`` with the whole-set features and stops;
+    ``recheck_grafts=N`` computes N stored graft scorings of the cell's store again
+    and compares them, and stops (see :func:`run_locator_benchmark`).
     """
 
     model: str = "smollm2"
@@ -119,6 +121,7 @@ class LocatorBenchmarkSettings:
     dtype: str = "auto"
     n_resamples: int = 2000
     extract_only: bool = False
+    recheck_grafts: int = 0
     resume: bool = False
     smoke: bool = False
     command: str = ""
@@ -273,16 +276,21 @@ def _fits_top_locator_head(cell, todo):
             "site": site, "head": head, "mass": mass}
 
 
+def _grafted_judge(cell):
+    """The cell's unfitted grafted judge (§8's grids and inner folds)."""
+    s = cell.settings
+    return GraftedJudge(s.model, locator_grid=list(s.locator_grid),
+                        writer_grid=list(s.writer_grid), cv=GroupKFold(s.inner_folds),
+                        verbose=1, **cell.judge_common)
+
+
 def _fits_grafted_judge(cell, todo):
     # every outer fit at once: the head statistics do not depend on the fit, and each
     # prompt is read twice in all (grafted_split_predictions equals fitting per fit);
     # with a cache dir, once: the prompts' KV caches wait there between the two passes
     s = cell.settings
-    judge = GraftedJudge(s.model, locator_grid=list(s.locator_grid),
-                         writer_grid=list(s.writer_grid), cv=GroupKFold(s.inner_folds),
-                         verbose=1, **cell.judge_common)
     predictions, fits = grafted_split_predictions(
-        judge, cell.convs, cell.y, [(train, test) for _, _, train, test in todo],
+        _grafted_judge(cell), cell.convs, cell.y, [(train, test) for _, _, train, test in todo],
         groups=cell.groups, store=cell.graft_store, kv_dir=s.cache_dir)
     for (r, f, _, _), pred, info in zip(todo, predictions, fits):
         yield r, f, pred, info
@@ -383,6 +391,12 @@ def run_locator_benchmark(settings, conversations, *, subset_label=None, log=Non
     far as ``settings.rows`` needs them), into ``settings.cache_dir``; no fit, no
     result file.
 
+    With ``settings.recheck_grafts = N`` (> 0), only
+    :func:`skafa.baselines.recheck_graft_store` runs: N graft scorings of the
+    cell's store (``<out>/locators_<tag>_<subset>.partial-grafted_judge-scores.json``)
+    are computed again with this code and compared with the stored ones, bit for
+    bit; nothing is written.
+
     Parameters
     ----------
     settings : LocatorBenchmarkSettings
@@ -398,7 +412,8 @@ def run_locator_benchmark(settings, conversations, *, subset_label=None, log=Non
     -------
     result : dict
         What the JSON file holds; with ``extract_only``:
-        ``{"extract_only": True, "extracted": {...}, "times": {...}}``.
+        ``{"extract_only": True, "extracted": {...}, "times": {...}}``; with
+        ``recheck_grafts``: ``{"recheck_grafts": <recheck_graft_store's result>}``.
 
     Raises
     ------
@@ -462,6 +477,19 @@ def _run_locator_benchmark(settings, conversations, subset_label, log):
                  dict(prompt=judge_template, dtype=settings.dtype))
     if settings.resume:  # head statistics and graft scores, kept conversation by conversation
         cell.graft_store = out / f"{stem}.partial-grafted_judge-scores.json"
+    if settings.recheck_grafts:
+        import torch
+
+        path = out / f"{stem}.partial-grafted_judge-scores.json"
+        _say(log, f"recheck: {settings.recheck_grafts} stored graft scorings of {path} "
+                  f"computed again ({torch.get_num_threads()} threads)")
+        got = recheck_graft_store(_grafted_judge(cell), convs, y, store=path,
+                                  n_scorings=settings.recheck_grafts)
+        _say(log, f"recheck: {got['n_equal']} of {got['n_checked']} equal bit for bit "
+                  f"(max |difference| {got['max_abs_difference']:.3g}; conversations "
+                  f"{', '.join(got['conversations'])}; {got['n_prompt_tokens']:,} prompt "
+                  f"tokens; {got['seconds']:.1f} s)")
+        return {"recheck_grafts": dict(got, threads=torch.get_num_threads())}
 
     # ---- stored fits (resume): each row's store is opened, and checked, before any pass
     stores, done = {}, {r: {} for r in rows}  # done[row][(r, f)] = (pred, info, seconds)

@@ -501,3 +501,44 @@ def test_split_predictions_resume_from_their_store(tiny, convs, tmp_path, monkey
         path.write_text(json.dumps(bad))
         with pytest.raises(ResultStoreError, match="remove the file"):
             grafted_split_predictions(judge, convs, y, splits, groups=groups, store=path)
+
+
+def test_recheck_graft_store_finds_equal_and_changed_scores(tiny, convs, tmp_path):
+    import json
+
+    from skafa.baselines import grafted_split_predictions, recheck_graft_store
+    from skafa.model_selection import ResultStoreError
+
+    groups = np.array([c.task_id for c in convs])
+    y = _steps(convs)
+    splits = [(np.arange(5), np.arange(5, 8)), (np.arange(3, 8), np.arange(3))]
+    judge = GraftedJudge(LLAMA, locator_grid=(1, 2), writer_grid=(1,), cv=GroupKFold(2))
+    path = tmp_path / "graft.json"
+    grafted_split_predictions(judge, convs, y, splits, groups=groups, store=path)
+    kept = json.loads(path.read_text())
+    got = recheck_graft_store(judge, convs, y, store=path, n_scorings=6)
+    assert got["n_checked"] == 6 and got["n_equal"] == 6 and got["differ"] == []
+    assert got["max_abs_difference"] == 0.0 and got["n_prompt_tokens"] > 0
+    assert path.read_text() == json.dumps(kept)  # nothing written
+    # more than the store holds: every stored graft scoring, none twice
+    everything = recheck_graft_store(judge, convs, y, store=path, n_scorings=10_000)
+    n_grafts = sum(1 for _, locs, wris, _ in kept["scores"] if locs and wris)
+    assert everything["n_checked"] == everything["n_equal"] == n_grafts > 6
+    # a stored score changed in its last bits: found, named
+    order = sorted(range(len(kept["scores"])),
+                   key=lambda k: (kept["scores"][k][0], kept["scores"][k][1:3]))
+    k = next(k for k in order if kept["scores"][k][1] and kept["scores"][k][2])
+    changed = json.loads(json.dumps(kept))
+    changed["scores"][k][3][0] = float(np.nextafter(changed["scores"][k][3][0], np.inf))
+    path.write_text(json.dumps(changed))
+    bad = recheck_graft_store(judge, convs, y, store=path, n_scorings=10_000)
+    assert bad["n_equal"] == n_grafts - 1 and len(bad["differ"]) == 1
+    assert 0 < bad["max_abs_difference"] < 1e-5
+    assert bad["differ"][0]["writers"] == changed["scores"][k][2]
+    # the store's checks hold; a missing file is an error
+    with pytest.raises(ResultStoreError, match="other conversations"):
+        recheck_graft_store(judge, convs, (y + 1) % 2, store=path)
+    with pytest.raises(FileNotFoundError, match="no graft store"):
+        recheck_graft_store(judge, convs, y, store=tmp_path / "none.json")
+    with pytest.raises(ValueError, match="n_scorings"):
+        recheck_graft_store(judge, convs, y, store=path, n_scorings=0)

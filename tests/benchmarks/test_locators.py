@@ -306,3 +306,17 @@ def test_sigterm_stops_the_run_and_removes_the_kv_folder(tmp_path, mode):
     else:  # without the handler SIGTERM kills the process: the folder stays
         assert done.returncode == -15
         assert len(left) == 1 and list((cache / left[0]).iterdir())
+
+
+def test_recheck_grafts_recomputes_stored_graft_scorings(tmp_path):
+    bench = _load("benchmark_locators")
+    out = str(tmp_path / "out")
+    bench.main(["--smoke", "--rows", "grafted_judge", "--resume", "--out", out])
+    store = tmp_path / "out" / f"{STEM}.partial-grafted_judge-scores.json"
+    files = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    got = bench.main(["--smoke", "--recheck-grafts", "5", "--out", out])["recheck_grafts"]
+    assert got["n_checked"] == got["n_equal"] == 5 and got["threads"] >= 1
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == files  # no write
+    assert store.name in files
+    with pytest.raises(FileNotFoundError, match="no graft store"):
+        bench.main(["--smoke", "--recheck-grafts", "5", "--out", str(tmp_path / "empty")])
