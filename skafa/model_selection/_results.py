@@ -45,6 +45,18 @@ def _canonical(obj):
     return json.loads(json.dumps(obj, sort_keys=True, default=str))
 
 
+def _stored_entries(path, signature, kind, other):
+    """The ``entries`` of a store file with this ``signature`` (``{}`` without a file)."""
+    if not path.exists():
+        return {}
+    old = read_json(path)
+    if not isinstance(old, dict) or not isinstance(old.get("entries"), dict):
+        raise ResultStoreError(f"{path} is not {kind}; remove it.")
+    if _canonical(old.get("signature")) != signature:
+        raise ResultStoreError(f"{path} {other}; remove it.")
+    return old["entries"]
+
+
 class FoldResultStore:
     """Finished outer fits of a nested comparison on disk, so a killed run resumes.
 
@@ -78,16 +90,10 @@ class FoldResultStore:
 
     def _read(self):
         """The file's entries, checked (``{}`` when there is no file yet)."""
-        if not self.path.exists():
-            return {}
-        old = read_json(self.path)
-        if not isinstance(old, dict) or not isinstance(old.get("entries"), dict):
-            raise ResultStoreError(f"{self.path} is not a fold result store; remove it.")
-        if _canonical(old.get("signature")) != self.signature:
-            raise ResultStoreError(
-                f"{self.path} was written with other settings "
-                "(model, prompt, sites, folds or records); remove it.")
-        for key, fits in old["entries"].items():
+        entries = _stored_entries(self.path, self.signature, "a fold result store",
+                                  "was written with other settings "
+                                  "(model, prompt, sites, folds or records)")
+        for key, fits in entries.items():
             if not re.fullmatch(r"\d+\|\d+", key) or not isinstance(fits, dict):
                 raise ResultStoreError(f"{self.path}: bad entry {key!r}; remove it.")
             for name, v in fits.items():
@@ -95,7 +101,7 @@ class FoldResultStore:
                     raise ResultStoreError(
                         f"{self.path}: the stored fit {name!r} of {key} lacks "
                         "pred/score/info; remove it.")
-        return old["entries"]
+        return entries
 
     def refresh(self):
         """Read the file again: fits another process stored meanwhile are added.
@@ -162,16 +168,9 @@ class JudgeScoreStore:
     def __init__(self, path, signature):
         self.path = Path(path)
         self.signature = _canonical(signature)
-        self.entries = {}
-        if self.path.exists():
-            old = read_json(self.path)
-            if not isinstance(old, dict) or not isinstance(old.get("entries"), dict):
-                raise ResultStoreError(f"{self.path} is not a judge score store; remove it.")
-            if _canonical(old.get("signature")) != self.signature:
-                raise ResultStoreError(
-                    f"{self.path} holds judge scores of other settings "
-                    "(model, dtype, prompt or answer prefix); remove it.")
-            self.entries = old["entries"]
+        self.entries = _stored_entries(self.path, self.signature, "a judge score store",
+                                       "holds judge scores of other settings "
+                                       "(model, dtype, prompt or answer prefix)")
 
     def get(self, record_id, digest, n_turns):
         """The stored scores of ``record_id``, or None; refused if they do not fit it."""
