@@ -36,6 +36,7 @@ import numbers
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -541,6 +542,11 @@ class _GraftStore:
     prompt, answer prefix, mix, the conversations' contents and labels) must equal
     this run's, and every entry is checked against the conversations (index
     range, head grid, number of candidates) before use.
+
+    It also lists the torch thread counts it was written with (``threads``, outside
+    the signature: files written before it existed have none). Floating-point sums
+    depend on the thread count, so a write at a count not listed warns once: the
+    store then mixes scores that a single run would give only in their last bits.
     """
 
     FORMAT = "skafa.grafted-split-store"
@@ -551,7 +557,8 @@ class _GraftStore:
         self.signature = json.loads(json.dumps(signature, sort_keys=True, default=str))
         self.shape = (int(n_layers), int(n_heads))
         self.n_candidates = list(n_candidates)
-        self.stats, self.scores = {}, {}
+        self.stats, self.scores, self.threads = {}, {}, set()
+        self._warned = False
         if self.path.exists():
             self._read(read_json(self.path))
 
@@ -590,6 +597,11 @@ class _GraftStore:
             self._bad(f"version {data.get('version')!r}, this skafa writes {self.VERSION}")
         if data.get("signature") != self.signature:
             self._bad("written for other conversations, labels, model or settings")
+        threads = data.get("threads", [])
+        if (not isinstance(threads, list) or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in threads)):
+            self._bad(f"'threads' is {threads!r}, not a list of thread counts")
+        self.threads = set(threads)
         n = len(self.n_candidates)
         stats, scores = data.get("stats"), data.get("scores")
         if not isinstance(stats, list) or not isinstance(scores, list):
@@ -620,11 +632,24 @@ class _GraftStore:
             self.scores[i, config] = np.asarray(values, dtype=np.float64)
 
     def save(self):
+        import torch
+
         def matrix(m):
             return [[None if not np.isfinite(v) else float(v) for v in row] for row in m]
 
+        now = int(torch.get_num_threads())
+        if self.threads and now not in self.threads and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"{self.path} was written with {sorted(self.threads)} torch thread(s) and "
+                f"is now continued with {now}: floating-point sums depend on the thread "
+                "count, so its scores may differ in their last bits from one run's (set "
+                "torch.set_num_threads, or OMP_NUM_THREADS, to the store's count for "
+                "exact results).", RuntimeWarning, stacklevel=4)
+        self.threads.add(now)
         write_json(self.path, {
             "format": self.FORMAT, "version": self.VERSION, "signature": self.signature,
+            "threads": sorted(self.threads),
             "stats": [[i, matrix(a), matrix(b)] for i, (a, b) in sorted(self.stats.items())],
             "scores": [[i, [list(h) for h in c[0]], [list(h) for h in c[1]],
                         [float(v) for v in values]]
@@ -1055,6 +1080,8 @@ n_conversations_fit_
     @fit_context(prefer_skip_nested_validation=True)
     def _recheck_store(self, X, y, path, n_scorings):
         """:func:`recheck_graft_store` on this (unfitted copy of the) judge."""
+        import torch
+
         if not Path(path).is_file():
             raise FileNotFoundError(f"no graft store at {path}")
         convs, lm, tokenizer = self._fit_model(X, None)
@@ -1094,7 +1121,8 @@ n_conversations_fit_
                 "differ": differ,
                 "conversations": [convs[i].record_id or str(i) for i in requests],
                 "n_prompt_tokens": int(sum(len(plan.prefixes[i]) for i in requests)),
-                "seconds": round(seconds, 2)}
+                "seconds": round(seconds, 2), "threads": int(torch.get_num_threads()),
+                "store_threads": sorted(store.threads) or None}
 
 
 def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None, store=None,
@@ -1202,7 +1230,9 @@ def recheck_graft_store(judge, X, y=None, *, store, n_scorings=20):
     result : dict
         ``n_checked``, ``n_equal`` (equal bit for bit), ``max_abs_difference``,
         ``differ`` (per differing scoring: conversation, heads, difference),
-        ``conversations`` (record ids read), ``n_prompt_tokens`` and ``seconds``.
+        ``conversations`` (record ids read), ``n_prompt_tokens``, ``seconds``,
+        ``threads`` (torch's now) and ``store_threads`` (the counts the store was
+        written with; ``None`` for a store older than that record).
 
     Raises
     ------

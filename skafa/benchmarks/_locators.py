@@ -485,11 +485,12 @@ def _run_locator_benchmark(settings, conversations, subset_label, log):
                   f"computed again ({torch.get_num_threads()} threads)")
         got = recheck_graft_store(_grafted_judge(cell), convs, y, store=path,
                                   n_scorings=settings.recheck_grafts)
+        written = got["store_threads"] or "not recorded"
         _say(log, f"recheck: {got['n_equal']} of {got['n_checked']} equal bit for bit "
                   f"(max |difference| {got['max_abs_difference']:.3g}; conversations "
                   f"{', '.join(got['conversations'])}; {got['n_prompt_tokens']:,} prompt "
-                  f"tokens; {got['seconds']:.1f} s)")
-        return {"recheck_grafts": dict(got, threads=torch.get_num_threads())}
+                  f"tokens; {got['seconds']:.1f} s; store written with threads: {written})")
+        return {"recheck_grafts": got}
 
     # ---- stored fits (resume): each row's store is opened, and checked, before any pass
     stores, done = {}, {r: {} for r in rows}  # done[row][(r, f)] = (pred, info, seconds)

@@ -542,3 +542,55 @@ def test_recheck_graft_store_finds_equal_and_changed_scores(tiny, convs, tmp_pat
         recheck_graft_store(judge, convs, y, store=tmp_path / "none.json")
     with pytest.raises(ValueError, match="n_scorings"):
         recheck_graft_store(judge, convs, y, store=path, n_scorings=0)
+
+
+def test_a_graft_store_records_its_thread_counts_and_warns_on_another(tiny, convs, tmp_path,
+                                                                      monkeypatch):
+    import json
+    import warnings
+
+    import torch
+
+    from skafa.baselines import _grafted, grafted_split_predictions
+    from skafa.model_selection import ResultStoreError
+
+    groups = np.array([c.task_id for c in convs])
+    y = _steps(convs)
+    splits = [(np.arange(5), np.arange(5, 8))]
+    judge = GraftedJudge(LLAMA, locator_grid=(1,), writer_grid=(1,), cv=GroupKFold(2))
+    path = tmp_path / "graft.json"
+    real, calls = _grafted._AnswerSession.step, []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 10:  # inside the grafts: a store with part of them
+            raise RuntimeError("killed")
+        return real(self, *args, **kwargs)
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        monkeypatch.setattr(_grafted._AnswerSession, "step", failing)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            with pytest.raises(RuntimeError, match="killed"):
+                grafted_split_predictions(judge, convs, y, splits, groups=groups, store=path)
+        assert json.loads(path.read_text())["threads"] == [1]
+        monkeypatch.setattr(_grafted._AnswerSession, "step", real)
+        torch.set_num_threads(2)
+        with pytest.warns(RuntimeWarning, match=r"graft.json was written with \[1\] torch "
+                                                r"thread\(s\) and is now continued with 2"):
+            grafted_split_predictions(judge, convs, y, splits, groups=groups, store=path)
+        assert json.loads(path.read_text())["threads"] == [1, 2]
+        with warnings.catch_warnings():  # a finished store: nothing written, no warning
+            warnings.simplefilter("error", RuntimeWarning)
+            grafted_split_predictions(judge, convs, y, splits, groups=groups, store=path)
+    finally:
+        torch.set_num_threads(before)
+    kept = json.loads(path.read_text())
+    for bad in ([0], "2", [True], [1.5]):
+        path.write_text(json.dumps(dict(kept, threads=bad)))
+        with pytest.raises(ResultStoreError, match="'threads' is"):
+            grafted_split_predictions(judge, convs, y, splits, groups=groups, store=path)
+    path.write_text(json.dumps({k: v for k, v in kept.items() if k != "threads"}))
+    grafted_split_predictions(judge, convs, y, splits, groups=groups, store=path)  # older file
