@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from skafa import load_who_and_when
-from skafa.benchmarks import LocatorCostSettings, run_locator_cost_benchmark
+from skafa.benchmarks import LocatorCostSettings, model_tag, run_locator_cost_benchmark
 
 REPO = Path(__file__).resolve().parents[1]
 log = functools.partial(print, flush=True)
@@ -42,7 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--subset", default="Algorithm-Generated",
                    choices=("Algorithm-Generated", "Hand-Crafted"))
     p.add_argument("--model", default="smollm2", help="short name, .gguf file or folder")
-    p.add_argument("--tag", default=None, help="name in the output file (default: model stem)")
+    p.add_argument("--tag", default=None, help="name in the output file (default: the model's short name or file name)")
     p.add_argument("--n", type=int, default=6, help="records (the first, in file order)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=None,
@@ -87,7 +87,7 @@ def main(argv=None):
         if not folder.is_dir():
             sys.exit(f"Who&When data not found at {folder}; pass --data.")
         convs = load_who_and_when(args.data, subset=args.subset).conversations
-    tag = "smoke" if args.smoke else (args.tag or Path(str(args.model)).stem.split(".")[0])
+    tag = "smoke" if args.smoke else (args.tag or model_tag(args.model))
     output = Path(args.output or REPO / "docs" / "results"
                   / f"locator_cost_{tag}_{args.subset}.md")
     result = run_locator_cost_benchmark(settings, convs, log=log)

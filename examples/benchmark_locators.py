@@ -48,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--subset", default="Algorithm-Generated",
                    choices=("Algorithm-Generated", "Hand-Crafted"))
     p.add_argument("--model", default="smollm2", help="short name, .gguf file or folder")
-    p.add_argument("--tag", default=None, help="name in result files (default: model stem)")
+    p.add_argument("--tag", default=None, help="name in result files (default: the model's short name or file name)")
     p.add_argument("--cache-dir", default=None, help="activation cache (resumable)")
     p.add_argument("--out", default="docs/results")
     p.add_argument("--max-prompt-tokens", type=int, default=8192)

@@ -44,7 +44,7 @@ from sklearn.model_selection import GroupKFold
 from ..compose import make_attribution_pipeline
 from ..configurations import RECOMMENDED, make_configuration
 from ..features import TurnFeatures
-from ..llm import PromptTemplate, conversation_content, known_models, model_identity, plan
+from ..llm import PromptTemplate, conversation_content, model_identity, plan
 from ..model_selection import (
     FoldResultStore,
     ResultStoreError,
@@ -58,7 +58,15 @@ from ..model_selection import (
     write_json,
 )
 from ..probes import GroupedSoftmaxClassifier
-from ._who_and_when import AUTO, BenchmarkSettings, _folds, _machine, _open_cell, _say
+from ._who_and_when import (
+    AUTO,
+    BenchmarkSettings,
+    _folds,
+    _machine,
+    _open_cell,
+    _say,
+    model_tag,
+)
 
 __all__ = ["REMATCH_CANDIDATES", "REMATCH_SUBSETS", "RematchSettings", "rematch_markdown",
            "run_rematch_candidates"]
@@ -108,15 +116,6 @@ class RematchSettings:
     n_jobs: int | None = 1
 
 
-def _reader_tag(name):
-    """A reader's name in tables and file names: its short name, or its file's stem."""
-    name = str(name)
-    if name.lower() in known_models():
-        return name.lower()
-    base = Path(name).name
-    return base[: -len(".gguf")] if base.lower().endswith(".gguf") else base
-
-
 def _deviations(settings):
     out = []
     if settings.reader != _DEFAULT_READER:
@@ -152,7 +151,7 @@ def _check_settings(settings, conversations_by_subset):
     if "C29" in settings.candidates and len(settings.subsets) < 2:
         raise ValueError("C29 pools the training parts of several subsets; it needs at "
                          f"least two, got {settings.subsets}.")
-    tags = [_reader_tag(r) for r in settings.ensemble_readers]
+    tags = [model_tag(r) for r in settings.ensemble_readers]
     if "C28" in settings.candidates and (not tags or len(set(tags)) != len(tags)):
         raise ValueError(f"C28 needs distinct readers, got {list(settings.ensemble_readers)}.")
 
@@ -213,7 +212,7 @@ def _json_ready(obj):
 def _c28_stacker(readings, settings):
     """C28: the recommended configuration of every reader, stacked (unfitted)."""
     return TurnScoreStacker(
-        [(_reader_tag(r.reader), make_attribution_pipeline(clone(r.extractor),
+        [(model_tag(r.reader), make_attribution_pipeline(clone(r.extractor),
                                                            clone(r.selector)))
          for r in readings],
         final_estimator=GroupedSoftmaxClassifier(C=1.0),
@@ -365,7 +364,7 @@ def run_rematch_candidates(settings, conversations_by_subset, *, log=None):
     t_all = time.perf_counter()
     _check_settings(settings, conversations_by_subset)
     subsets = list(settings.subsets)
-    tag = "smoke" if settings.smoke else (settings.tag or _reader_tag(settings.reader))
+    tag = "smoke" if settings.smoke else (settings.tag or model_tag(settings.reader))
     out, prereg_dir = Path(settings.out), Path(settings.prereg_dir or settings.out)
     convs = {s: list(conversations_by_subset[s]) for s in subsets}
     ys = {s: np.array([c.mistake_step for c in convs[s]]) for s in subsets}
@@ -388,7 +387,7 @@ def run_rematch_candidates(settings, conversations_by_subset, *, log=None):
             for s in subsets:
                 if (reader, s) not in readings:
                     readings[reader, s] = _open_reading(settings, reader, s, convs[s])
-                    _say(log, f"{_reader_tag(reader)} on {s}: "
+                    _say(log, f"{model_tag(reader)} on {s}: "
                               f"{readings[reader, s].shortening}")
 
     # ---- stores (resume): opened and checked before any extraction
@@ -439,9 +438,9 @@ def run_rematch_candidates(settings, conversations_by_subset, *, log=None):
         ext = clone(reading.extractor).set_params(
             verbose=1 if log else 0, n_jobs=None if settings.smoke else settings.n_jobs)
         reading.features = ext.fit_transform(convs[s])
-        times[f"extraction {_reader_tag(reader)} {s}"] = time.perf_counter() - t
-        _say(log, f"extraction {_reader_tag(reader)} on {s}: {reading.features} in "
-                  f"{times[f'extraction {_reader_tag(reader)} {s}']:.1f}s")
+        times[f"extraction {model_tag(reader)} {s}"] = time.perf_counter() - t
+        _say(log, f"extraction {model_tag(reader)} on {s}: {reading.features} in "
+                  f"{times[f'extraction {model_tag(reader)} {s}']:.1f}s")
 
     def finish(cand, s, r, k, pred, info, seconds):
         info = _json_ready(info)
@@ -510,7 +509,7 @@ def run_rematch_candidates(settings, conversations_by_subset, *, log=None):
             paired = paired_differences(per_conv, pairs, groups[s], **kw)
         per_subset[s] = {
             "n": n, "summary": summary, "headline": headline, "paired": paired,
-            "readers": {_reader_tag(rd.reader): {
+            "readers": {model_tag(rd.reader): {
                 "budget": rd.budget, "context": rd.context, "dtype": rd.dtype,
                 "prompt": rd.template.fingerprint(), "shortening": rd.shortening}
                 for (reader, t), rd in readings.items() if t == s},

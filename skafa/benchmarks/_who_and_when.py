@@ -48,6 +48,7 @@ from ..llm import (
     PromptTemplate,
     TurnActivationTransformer,
     context_length,
+    known_models,
     load_model,
     parse_site_spec,
     plan,
@@ -178,11 +179,32 @@ def _machine():
             f"{platform.python_version()}, torch {torch.__version__}")
 
 
+def model_tag(model):
+    """A model's name in tables and result file names (when no ``--tag`` is given).
+
+    A known short name as is (``"qwen2.5-coder-0.5b"``); a file or folder: its name,
+    without ``.gguf``. Dots are kept: cutting at the first one would name every
+    Qwen2.5 reader ``qwen2`` and write the 0.5B and 1.5B results into one file.
+
+    Examples
+    --------
+    >>> model_tag("qwen2.5-coder-1.5b")
+    'qwen2.5-coder-1.5b'
+    >>> model_tag("/models/qwen2.5-coder-0.5b-instruct.gguf")
+    'qwen2.5-coder-0.5b-instruct'
+    """
+    name = str(model)
+    if name.lower() in known_models():
+        return name.lower()
+    base = Path(name).name
+    return base[: -len(".gguf")] if base.lower().endswith(".gguf") else base
+
+
 def _open_cell(settings, conversations):
     """A cell's records, their labels and task ids, the loaded model, its context and
     the prompt budget: ``(convs, tag, y, groups, model, tokenizer, ctx, budget)``."""
     convs = list(conversations)
-    tag = settings.tag or Path(str(settings.model)).stem.split(".")[0]
+    tag = settings.tag or model_tag(settings.model)
     y = np.array([c.mistake_step for c in convs])
     groups = np.array([c.task_id for c in convs], dtype=object)
     # "auto" is resolved once, so that tables, result files and cache keys name

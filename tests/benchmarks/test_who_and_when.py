@@ -419,3 +419,15 @@ def test_preregistered_judge_store_resumes_without_the_cache(tmp_path):
     store.write_text(json.dumps(saved))
     with pytest.raises(SystemExit, match="judge scores of other settings"):
         bench.main([*argv, "--cache-dir", str(tmp_path / "cache4")])
+
+
+def test_model_tag_keeps_readers_apart():
+    from skafa.benchmarks import model_tag
+
+    assert model_tag("qwen2.5-coder-0.5b") != model_tag("qwen2.5-coder-1.5b")
+    assert model_tag("QWEN2.5-Coder-1.5B") == "qwen2.5-coder-1.5b"  # a known name, as known
+    assert model_tag("smollm2") == "smollm2"
+    assert model_tag("/m/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf") == \
+        "qwen2.5-coder-1.5b-instruct-q4_k_m"
+    assert model_tag("/m/qwen2.5-coder-0.5b-instruct.gguf") == "qwen2.5-coder-0.5b-instruct"
+    assert model_tag("Qwen/Qwen2.5-0.5B") == "Qwen2.5-0.5B"
