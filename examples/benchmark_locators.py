@@ -65,6 +65,10 @@ def parse_args(argv=None):
     p.add_argument("--recheck-grafts", type=int, default=0, metavar="N",
                    help="compute N stored graft scorings of the cell's store again with "
                         "this code, compare them bit for bit with the store, and stop")
+    p.add_argument("--recommended-from", default=None, metavar="STORE",
+                   help="read the recommended row's outer fits from §3's fit store of the "
+                        "same cell (prereg_<tag>_<subset>.partial-echo.json), checked, "
+                        "instead of running its feature pass")
     p.add_argument("--smoke", action="store_true",
                    help="a tiny random model on 20 synthetic records: checks the wiring only")
     return p.parse_args(argv)
@@ -77,7 +81,8 @@ def main(argv=None):
         out=args.out, max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype,
         rows=[r.strip() for r in args.rows.split(",") if r.strip()],
         n_resamples=args.n_resamples, resume=args.resume, extract_only=args.extract_only,
-        recheck_grafts=args.recheck_grafts, command=" ".join(["python"] + sys.argv))
+        recheck_grafts=args.recheck_grafts, recommended_from=args.recommended_from,
+        command=" ".join(["python"] + sys.argv))
     if args.smoke:
         from skafa.llm import register_model
         from skafa.testing import make_conversations, make_tiny_llama, make_tiny_tokenizer

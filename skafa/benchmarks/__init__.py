@@ -29,6 +29,7 @@ from ._locators import (
     gap_closed,
     locator_heads_summary,
     locator_markdown,
+    recommended_fits_from_store,
     run_locator_benchmark,
     top_locator_head,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "gap_closed",
     "locator_heads_summary",
     "locator_markdown",
+    "recommended_fits_from_store",
     "run_locator_benchmark",
     "top_locator_head",
     "REMATCH_CANDIDATES",

@@ -49,14 +49,22 @@ from ..baselines import (
     recheck_graft_store,
 )
 from ..compose import SiteConcatenator
-from ..configurations import RECOMMENDED, make_configuration
+from ..configurations import (
+    PREREGISTERED_SITES,
+    RECOMMENDED,
+    make_configuration,
+    parse_configuration,
+)
 from ..featurizers import TurnPositionTransformer, TurnTextTransformer
 from ..llm import (
     PromptTemplate,
     TurnActivationTransformer,
     conversation_content,
+    decoder_layout,
+    identity_matches,
     measure_throughput,
     model_identity,
+    parse_site_spec,
     plan,
 )
 from ..metrics import locator_head_accuracy
@@ -69,6 +77,7 @@ from ..model_selection import (
     method_table,
     outer_splits,
     paired_differences,
+    read_json,
     summarize_predictions,
     write_json,
 )
@@ -76,7 +85,14 @@ from ..probes import GroupedArgmaxLogisticClassifier
 from ..report import plot_locator_heads
 from ..utils.grouped import grouped_argmax
 from ._peers import judge_predictions
-from ._who_and_when import _folds, _machine, _open_cell, _say, _sigterm_as_interrupt
+from ._who_and_when import (
+    _folds,
+    _machine,
+    _open_cell,
+    _say,
+    _sigterm_as_interrupt,
+    prereg_store_signature,
+)
 
 __all__ = ["LOCATOR_ROWS", "LocatorBenchmarkSettings", "gap_closed", "locator_heads_summary",
            "locator_markdown", "run_locator_benchmark", "top_locator_head"]
@@ -122,6 +138,7 @@ class LocatorBenchmarkSettings:
     n_resamples: int = 2000
     extract_only: bool = False
     recheck_grafts: int = 0
+    recommended_from: str | None = None
     resume: bool = False
     smoke: bool = False
     command: str = ""
@@ -257,6 +274,7 @@ class _Cell:
     A: object = None  # the recommended configuration's activations
     selector: object = None  # the recommended configuration's unfitted SiteSelector
     graft_store: object = None  # with resume: the grafted judge's per-conversation store
+    recommended_fits: dict = None  # recommended_from: §3's stored fits of the same cell
 
 
 # Each row's outer fits: ``fits(cell, todo)`` yields ``(repeat, fold, test predictions,
@@ -299,6 +317,10 @@ def _fits_grafted_judge(cell, todo):
 def _fits_recommended(cell, todo):
     y, groups = cell.y, cell.groups
     for r, f, train, test in todo:
+        if cell.recommended_fits is not None:  # §3's store of the same cell (checked)
+            pred, info = cell.recommended_fits[r, f]
+            yield r, f, pred, info
+            continue
         sel = clone(cell.selector).fit(cell.A[train], y[train], groups=groups[train])
         yield r, f, sel.predict(cell.A[test]), {"sites": list(sel.best_sites_),
                                                 "C": sel.best_params_["C"]}
@@ -330,6 +352,89 @@ _FITS = {"locator_probe": _fits_locator_probe, "top_locator_head": _fits_top_loc
          "position": _fits_featurized(TurnPositionTransformer()),
          "tfidf": _fits_featurized(TurnTextTransformer()),
          "most_frequent": _fits_most_frequent}
+
+
+def recommended_fits_from_store(path, settings, model, convs, y, template, budget, splits):
+    """The recommended row's outer fits, read from §3's fit store of the same cell.
+
+    §8's recommended row is §3's recommended configuration (:data:`RECOMMENDED`) on
+    the same outer folds, so where §3 ran the same cell (model, dtype, records,
+    labels, prompt and budget, searched sites, folds) its store
+    ``prereg_<tag>_<subset>.partial-echo.json`` already holds exactly these fits
+    (checked: the two SmolLM2 cells of §8 computed them again and got the same
+    predictions and choices in all 30 outer fits). Reusing them saves the
+    recommended configuration's feature pass (an ``echo`` read, twice the prompt).
+
+    Parameters
+    ----------
+    path : str or path-like
+        §3's store of the ``echo`` read.
+    settings : LocatorBenchmarkSettings
+        The cell's settings (``dtype`` resolved, ``folds``, ``inner_folds``).
+    model : torch.nn.Module
+        The loaded model (for its number of layers).
+    convs, y : list of Conversation, ndarray
+        The cell's records and decisive steps.
+    template : PromptTemplate
+        The features' prompt (its fingerprint must match).
+    budget : int
+        The prompt budget.
+    splits : list of (repeat, fold, train, test)
+        The cell's outer fits; every one must be stored.
+
+    Returns
+    -------
+    fits : dict
+        ``(repeat, fold) -> (test predictions, {"sites": [...], "C": float})``.
+
+    Raises
+    ------
+    ResultStoreError
+        Naming the file and every difference: another model, dtype, prompt, budget,
+        sites, configuration definitions, folds or records, or a missing, malformed
+        or out-of-grid fit.
+    """
+    path = Path(path)
+    read, kind, Cs, n_sites, features = parse_configuration(RECOMMENDED)
+    old = read_json(path)
+    if not (isinstance(old, dict) and isinstance(old.get("signature"), dict)
+            and isinstance(old.get("entries"), dict)):
+        raise ResultStoreError(f"--recommended-from {path}: not a fit store (no signature "
+                               "and entries).")
+    sig = old["signature"]
+    sites = list(parse_site_spec(PREREGISTERED_SITES, decoder_layout(model).n_layers))
+    want = prereg_store_signature(None, read, template, budget, sites, settings, convs, y)
+    problems = [f"{k} {json.dumps(sig.get(k))[:80]}, not {json.dumps(v)[:80]}"
+                for k, v in want.items() if k != "model"
+                and json.dumps(sig.get(k), sort_keys=True) != json.dumps(v, sort_keys=True)]
+    if set(sig) != set(want):
+        problems.append(f"signature fields {sorted(sig)}, not {sorted(want)}")
+    if not identity_matches(sig.get("model"), settings.model):
+        problems.append(f"model {sig.get('model')!r}, not {model_identity(settings.model)!r}")
+    if problems:
+        raise ResultStoreError(f"--recommended-from {path}: not this cell's §3 store of "
+                               f"the {read!r} read: {'; '.join(problems)}.")
+    store = FoldResultStore(path, sig)  # the entries' structure, checked
+    fits = {}
+    for r, f, _, test in splits:
+        store.check(r, f, len(test))
+        got = store.get(r, f).get(RECOMMENDED)
+        if got is None:
+            raise ResultStoreError(f"--recommended-from {path}: no fit of {RECOMMENDED!r} "
+                                   f"for repeat {r} fold {f}.")
+        pred, _, info = got
+        chosen = info.get("sites") if isinstance(info, dict) else None
+        C = info.get("C") if isinstance(info, dict) else None
+        if (not isinstance(chosen, list) or len(chosen) != n_sites
+                or len(set(map(str, chosen))) != n_sites or not set(map(str, chosen)) <= set(sites)
+                or C not in Cs
+                or any(p >= len(convs[i].turns) for p, i in zip(pred.tolist(), test))):
+            raise ResultStoreError(f"--recommended-from {path}: the fit of repeat {r} fold "
+                                   f"{f} has choices {info!r}, not {n_sites} of the searched "
+                                   f"sites and a C of {list(Cs)}, or steps beyond "
+                                   "its test records' turns.")
+        fits[r, f] = pred, {"sites": [str(x) for x in chosen], "C": float(C)}
+    return fits
 
 
 def _cell_signature(settings, tag, subset, convs, y, template, budget):
@@ -505,6 +610,16 @@ def _run_locator_benchmark(settings, conversations, subset_label, log):
     todo = {row: [s for s in splits if (s[0], s[1]) not in done[row]] for row in rows}
     if "judge" in rows and done["judge"]:
         todo["judge"] = []
+    from_store = None
+    if (settings.recommended_from and "recommended" in rows and todo["recommended"]
+            and not settings.extract_only):
+        cell.recommended_fits = recommended_fits_from_store(
+            settings.recommended_from, settings, model, convs, y, template, budget, splits)
+        path = Path(settings.recommended_from)
+        from_store = {"file": path.name, "sha256": hashlib.sha256(
+            path.read_bytes()).hexdigest(), "fits": len(todo["recommended"])}
+        _say(log, f"recommended: {len(todo['recommended'])} outer fits read from §3's store "
+                  f"{path.name} (same cell; checked), its feature pass not run")
 
     # ---- whole-set passes (unsupervised), only for rows with fits to compute
     times, skipped, extracted = {}, [], {}
@@ -532,9 +647,13 @@ def _run_locator_benchmark(settings, conversations, subset_label, log):
             n_new, _ = _extraction_counts(ext, len(convs))
             _say(log, f"head-attention features for the heatmap read from the cache "
                       f"({n_new} of {len(convs)} conversations not cached, extracted)")
-    if "recommended" in rows and (settings.extract_only or todo["recommended"]):
-        acts, cell.selector = make_configuration(RECOMMENDED, settings.model, verbose=1,
-                                                 cache_dir=settings.cache_dir, **common)
+    if "recommended" in rows and not settings.recommended_from and (
+            settings.extract_only or todo["recommended"]):
+        acts, selector = make_configuration(RECOMMENDED, settings.model, verbose=1,
+                                            cache_dir=settings.cache_dir, **common)
+        # the cell's inner folds, as every other row (and §3) chooses on: GroupKFold(5) in
+        # the plan, fewer in a smoke run
+        cell.selector = selector.set_params(cv=GroupKFold(settings.inner_folds))
         _say(log, f"activations of the recommended configuration ({RECOMMENDED})")
         cell.A = timed("features recommended", lambda: acts.fit_transform(convs))
         extracted["features recommended"] = _extraction_counts(acts, len(convs))
@@ -632,6 +751,8 @@ def _run_locator_benchmark(settings, conversations, subset_label, log):
     }
     if settings.resume:
         result["resumed"] = {"fits_reused": reused, "passes_not_rerun": skipped}
+    if from_store is not None:
+        result["recommended_from"] = from_store
     if cell.H is not None:
         result["locator_heads"] = locator_heads_summary(cell.H, y)
         png = _plot_heads(result["locator_heads"], out / f"{stem}_heads.png", log)
@@ -731,6 +852,12 @@ def locator_markdown(result):
                   "cost measurement (an interleaved one: examples/benchmark_locator_cost.py)"
                   + (f"; not rerun, so not timed: {', '.join(resumed['passes_not_rerun'])}"
                      if resumed.get("passes_not_rerun") else "") + ".", ""]
+    src = result.get("recommended_from")
+    if src:
+        lines += [f"The recommended row's {src['fits']} outer fits were read from §3's fit "
+                  f"store of the same cell, `{src['file']}` (sha256 {src['sha256'][:12]}; "
+                  "same model, dtype, records, prompt, budget, sites and folds, checked; "
+                  "`--recommended-from`), not computed again.", ""]
     heads = result.get("locator_heads")
     if heads:
         best = ", ".join(f"{site} head {h} {100 * a:.1f}%" for site, h, a in heads["top"])

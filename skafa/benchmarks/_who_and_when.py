@@ -218,6 +218,23 @@ def _open_cell(settings, conversations):
     return convs, tag, y, groups, model, tokenizer, ctx, min(ctx, settings.max_prompt_tokens)
 
 
+def prereg_store_signature(model_identity, read, template, budget, sites, settings, convs,
+                           y):
+    """The signature of §3's per-read fit store ``prereg_<tag>_<subset>.partial-<read>.json``.
+
+    Everything its stored outer fits depend on: the model, the read, the prompt and
+    its budget, the searched sites, the configurations, the folds, the dtype and the
+    records with their labels (``settings`` gives ``folds``, ``inner_folds`` and
+    ``dtype``).
+    """
+    return {"model": model_identity, "read": read, "prompt": template.fingerprint(),
+            "budget": budget, "sites": list(sites),
+            "probes": [list(map(str, p)) for p in PREREGISTERED_PROBES],
+            "stack": STACK_ID, "folds": settings.folds, "inner_folds": settings.inner_folds,
+            "dtype": settings.dtype, "record_ids": [c.record_id for c in convs],
+            "y": [int(v) for v in y]}
+
+
 def _folds(splits, desc):
     from tqdm.auto import tqdm
 
@@ -690,13 +707,8 @@ def _run_preregistered(settings, convs, y, groups, model, tokenizer, ctx, budget
     stores = {}
     if settings.resume:
         for read in settings.reads:
-            sig = {"model": extractors[read].model_identity_, "read": read,
-                   "prompt": template.fingerprint(), "budget": budget,
-                   "sites": probe_sites,
-                   "probes": [list(map(str, p)) for p in PREREGISTERED_PROBES],
-                   "stack": STACK_ID, "folds": settings.folds,
-                   "inner_folds": settings.inner_folds, "dtype": settings.dtype,
-                   "record_ids": [c.record_id for c in convs], "y": [int(v) for v in y]}
+            sig = prereg_store_signature(extractors[read].model_identity_, read, template,
+                                         budget, probe_sites, settings, convs, y)
             stores[read] = FoldResultStore(Path(settings.out) / f"{stem}.partial-{read}.json",
                                            sig)
     preds, infos = {}, []

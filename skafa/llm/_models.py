@@ -51,6 +51,7 @@ __all__ = [
     "SMOLLM2_FILE",
     "model_fingerprint",
     "model_identity",
+    "identity_matches",
     "model_location",
     "context_length",
     "verify_saved_model",
@@ -1269,6 +1270,57 @@ def _file_digest(path: Path) -> str:
         with _LOCK:
             _DIGESTS[memo] = digest
     return digest
+
+
+def _head_tail_digest(path: Path, chunk=1 << 20) -> str:
+    """The GGUF digest result files recorded before 2026-12-04 (``file_digest``).
+
+    sha256 of the file size and its first and last MiB; read only to recognise
+    those files' model (:func:`identity_matches`), never written any more.
+    """
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(chunk))
+        if size > chunk:
+            f.seek(max(chunk, size - chunk))
+            h.update(f.read(chunk))
+    return h.hexdigest()
+
+
+def identity_matches(identity, spec, *, gguf_file=None) -> bool:
+    """Whether a stored model identity names the model ``spec`` refers to now.
+
+    ``identity`` is what :func:`model_identity` wrote into a result or store file.
+    Files written before 2026-12-04 identify a GGUF file by ``file_digest`` (sha256
+    of its size and first and last MiB) instead of ``sha256`` (of the whole
+    file); such an identity matches when kind, name, size and that digest agree.
+    Any other identity matches only when equal to :func:`model_identity` of
+    ``spec``.
+
+    Parameters
+    ----------
+    identity : dict
+        The stored identity (anything else never matches).
+    spec : str, os.PathLike or ModelHandle
+        As accepted by :func:`load_model`.
+    gguf_file : str, optional
+
+    Returns
+    -------
+    bool
+    """
+    if not isinstance(identity, dict):
+        return False
+    now = model_identity(spec, gguf_file=gguf_file)
+    if identity.get("kind") == "gguf" and "file_digest" in identity and "sha256" in now:
+        path = Path(resolve_model_spec(spec, gguf_file=gguf_file).path)
+        return (set(identity) == {"kind", "name", "file_size", "file_digest"}
+                and {k: identity[k] for k in ("kind", "name", "file_size")}
+                == {k: now[k] for k in ("kind", "name", "file_size")}
+                and identity["file_digest"] == _head_tail_digest(path))
+    return json.loads(json.dumps(identity, sort_keys=True, default=str)) == json.loads(
+        json.dumps(now, sort_keys=True, default=str))
 
 
 def _weights_digest(model) -> str:

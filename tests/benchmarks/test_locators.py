@@ -320,3 +320,60 @@ def test_recheck_grafts_recomputes_stored_graft_scorings(tmp_path):
     assert store.name in files
     with pytest.raises(FileNotFoundError, match="no graft store"):
         bench.main(["--smoke", "--recheck-grafts", "5", "--out", str(tmp_path / "empty")])
+
+
+def test_recommended_row_read_from_the_same_cells_section3_store(tmp_path, monkeypatch):
+    """--recommended-from: §3's stored fits of the same cell give the row §8 computes."""
+    from skafa.benchmarks import BenchmarkSettings, run_benchmark
+    from skafa.configurations import RECOMMENDED
+    from skafa.testing import make_conversations
+
+    bench = _load("benchmark_locators")
+    cache = str(tmp_path / "c")
+    args = ["--smoke", "--rows", "recommended,position", "--cache-dir", cache]
+    computed = bench.main(args + ["--out", str(tmp_path / "computed")])  # registers the model
+    # §3's runner on the same cell: same model, records, prompt budget, sites and folds
+    prereg = BenchmarkSettings(
+        model="locators-smoke", tag="smoke", preregistered=True, reads=["echo"],
+        sites="stride:3", folds=2, inner_folds=2, repeats=1, no_stack=True, no_mi4afa=True,
+        no_judge=True, peer_n=0, n_resamples=50, resume=True, cache_dir=cache,
+        out=str(tmp_path / "s3"))
+    run_benchmark(prereg, make_conversations(20, seed=0), subset_label="Algorithm-Generated")
+    store = tmp_path / "s3" / "prereg_smoke_Algorithm-Generated.partial-echo.json"
+    stored = json.loads(store.read_text())
+    assert RECOMMENDED in stored["entries"]["0|0"]
+    calls = _count_calls(monkeypatch, "make_configuration")
+    reused = bench.main(args + ["--out", str(tmp_path / "reused"),
+                                "--recommended-from", str(store)])
+    assert calls == []  # the recommended configuration's feature pass did not run
+    assert reused["predictions"] == computed["predictions"]
+    assert reused["choices"] == computed["choices"]
+    assert reused["recommended_from"]["file"] == store.name
+    md = (tmp_path / "reused" / "locators_smoke_Algorithm-Generated.md").read_text()
+    assert "read from §3's fit store of the same cell" in md
+
+    def refused(doc, match):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(doc))
+        with pytest.raises(ResultStoreError, match=match):
+            bench.main(args + ["--out", str(tmp_path / "x"), "--recommended-from", str(bad)])
+
+    other = json.loads(json.dumps(stored))
+    other["signature"]["dtype"] = "bfloat16"
+    refused(other, r"not this cell's §3 store.*dtype \"bfloat16\", not \"float32\"")
+    other = json.loads(json.dumps(stored))
+    other["signature"]["y"][0] += 1
+    refused(other, r"y \[")
+    other = json.loads(json.dumps(stored))
+    other["signature"]["model"]["weights_sha256"] = "0" * 64
+    refused(other, "model ")
+    other = json.loads(json.dumps(stored))
+    del other["entries"]["0|1"][RECOMMENDED]
+    refused(other, "no fit of 'echo: softmax/top3/acts' for repeat 0 fold 1")
+    other = json.loads(json.dumps(stored))
+    other["entries"]["0|0"][RECOMMENDED]["info"]["C"] = 5.0
+    refused(other, "repeat 0 fold 0 has choices")
+    other = json.loads(json.dumps(stored))
+    other["entries"]["0|0"][RECOMMENDED]["pred"][0] = 10 ** 6
+    refused(other, "steps beyond")
+    refused({"entries": {}}, "not a fit store")

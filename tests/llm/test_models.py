@@ -224,6 +224,36 @@ def test_model_identity(tmp_path, tiny_folder):
     assert a["fingerprint"]["architecture"] == "LlamaForCausalLM"
 
 
+def test_identity_matches_current_and_earlier_gguf_identities(tmp_path):
+    """Result files before 2026-12-04 named a GGUF file by size + first and last MiB."""
+    import hashlib
+
+    from skafa.llm import identity_matches
+
+    f = tmp_path / "w.gguf"
+    rng = np.random.default_rng(0)
+    f.write_bytes(b"GGUF" + rng.bytes(3 << 20))
+    now = model_identity(str(f))
+    assert identity_matches(now, str(f)) and identity_matches(json.loads(json.dumps(now)), f)
+    size = f.stat().st_size
+    data = f.read_bytes()
+    h = hashlib.sha256(str(size).encode())
+    h.update(data[:1 << 20])
+    h.update(data[size - (1 << 20):])
+    old = {"kind": "gguf", "name": "w.gguf", "file_size": size, "file_digest": h.hexdigest()}
+    assert identity_matches(old, str(f))
+    assert not identity_matches({**old, "file_digest": "0" * 64}, str(f))
+    assert not identity_matches({**old, "name": "v.gguf"}, str(f))
+    assert not identity_matches({**old, "extra": 1}, str(f))
+    assert not identity_matches({**now, "sha256": "0" * 64}, str(f))
+    assert not identity_matches(None, str(f)) and not identity_matches([now], str(f))
+    f.write_bytes(data[:-1] + b"x")  # the last byte changed: neither identity matches
+    assert not identity_matches(old, str(f)) and not identity_matches(now, str(f))
+    register_model("id-m", make_tiny_llama(seed=0), make_tiny_tokenizer())
+    assert identity_matches(model_identity("id-m"), "id-m")
+    assert not identity_matches({**model_identity("id-m"), "weights_sha256": "x"}, "id-m")
+
+
 def test_model_location():
     register_model("loc-a", make_tiny_llama(seed=0), make_tiny_tokenizer())
     assert models.model_location("loc-a") == "registered:loc-a"
