@@ -17,10 +17,13 @@ Results: ``--out`` (default ``docs/results``) gets ``locators_<tag>_<subset>.jso
 ``.md``. With ``--resume`` every finished outer fit of every row is kept at once in
 ``<out>/locators_<tag>_<subset>.partial-<row>.json`` (and the grafted judge's head
 statistics and graft scores, conversation by conversation, in
-``...partial-grafted_judge-scores.json``): run the same command again after
+``...partial-grafted_judge-scores.json``, and the per-head heatmap's summary in
+``...partial-locator_heads.json``): run the same command again after
 an interruption and only the missing fits are computed (the whole-set passes only for
 rows that still need them). ``--extract-only`` fills ``--cache-dir`` with the
 head-attention features and the recommended configuration's activations and stops.
+``--recommended-from STORE`` reads the recommended row's outer fits from §3's fit store
+of the same cell (checked) instead of running its feature pass.
 ``--recheck-grafts N`` computes N graft scorings of the committed store again and
 compares them with it, bit for bit (a check that resumed stores are exact).
 """

@@ -599,8 +599,13 @@ def _run_locator_benchmark(settings, conversations, subset_label, log):
 
     # ---- stored fits (resume): each row's store is opened, and checked, before any pass
     stores, done = {}, {r: {} for r in rows}  # done[row][(r, f)] = (pred, info, seconds)
+    heads_file = stored_heads = None  # with resume: the heatmap's summary, kept
     if settings.resume and not settings.extract_only:
         base = _cell_signature(settings, tag, subset, convs, y, template, budget)
+        if any(r in rows for r in ("locator_probe", "top_locator_head")):
+            heads_file = (out / f"{stem}.partial-locator_heads.json",
+                          {**base, "row": "locator_heads"})
+            stored_heads = _read_locator_heads(*heads_file)
         for row in rows:
             stores[row] = store = FoldResultStore(out / f"{stem}.partial-{row}.json",
                                                   _store_signature(base, settings, row,
@@ -640,7 +645,9 @@ def _run_locator_benchmark(settings, conversations, subset_label, log):
         extracted["features head_attn"] = _extraction_counts(ext, len(convs))
     elif head_rows:
         skipped.append("features head_attn")
-        if settings.cache_dir:  # only the per-head heatmap needs them: cached, not timed
+        if stored_heads is not None:
+            _say(log, f"per-head heatmap: summary read from {heads_file[0].name}")
+        elif settings.cache_dir:  # only the per-head heatmap needs them: cached, not timed
             ext = TurnActivationTransformer(settings.model, read="last", sites="head_attn",
                                             cache_dir=settings.cache_dir, verbose=1, **common)
             cell.H = ext.fit_transform(convs)
@@ -753,8 +760,11 @@ def _run_locator_benchmark(settings, conversations, subset_label, log):
         result["resumed"] = {"fits_reused": reused, "passes_not_rerun": skipped}
     if from_store is not None:
         result["recommended_from"] = from_store
-    if cell.H is not None:
-        result["locator_heads"] = locator_heads_summary(cell.H, y)
+    heads = locator_heads_summary(cell.H, y) if cell.H is not None else stored_heads
+    if heads is not None and heads_file is not None and heads != stored_heads:
+        write_json(heads_file[0], {"signature": heads_file[1], "locator_heads": heads})
+    if heads is not None:
+        result["locator_heads"] = dict(heads)
         png = _plot_heads(result["locator_heads"], out / f"{stem}_heads.png", log)
         result["locator_heads"]["figure"] = None if png is None else Path(png).name
     write_json(out / f"{stem}.json", result, indent=1)
@@ -786,11 +796,63 @@ def locator_heads_summary(H, y, *, top=5):
         ``top_locator_head`` row.
     """
     acc, chance = locator_head_accuracy(H, y)
-    sites = list(H.sites)
+    return _heads_summary(acc, chance, list(H.sites), top)
+
+
+def _heads_summary(acc, chance, sites, top=5):
     order = sorted(np.ndindex(*acc.shape), key=lambda lh: (-acc[lh], lh))[:top]
     return {"accuracy": np.round(acc, 4).tolist(), "chance": round(float(chance), 4),
-            "sites": sites,
+            "sites": list(sites),
             "top": [[sites[l], int(h), round(float(acc[l, h]), 4)] for l, h in order]}
+
+
+def _read_locator_heads(path, signature):
+    """The per-head heatmap summary a resumed run kept, or None where there is none.
+
+    With ``--resume`` the §8 runner keeps :func:`locator_heads_summary` of the cell in
+    ``<out>/locators_<tag>_<subset>.partial-locator_heads.json``, so a later run
+    writes the heatmap without the head-attention features (an activation cache
+    does not always outlive a session). The file is checked in full: its signature
+    must be ``signature`` (the cell's), the accuracy a layers x heads matrix of
+    shares in [0, 1], one unique site name per layer, the chance a share; ``top``
+    is computed again from the matrix, not read.
+
+    Parameters
+    ----------
+    path : path-like
+    signature : dict
+
+    Returns
+    -------
+    dict or None
+
+    Raises
+    ------
+    ResultStoreError
+        For another signature or a malformed summary (naming the file).
+    """
+    path = Path(path)
+    if not path.exists():
+        return None
+    doc = read_json(path)
+    canon = json.loads(json.dumps(signature, sort_keys=True, default=str))
+    if not isinstance(doc, dict) or doc.get("signature") != canon:
+        raise ResultStoreError(f"{path} was written with other settings (model, prompt, "
+                               "records) or is not a heatmap summary; remove it.")
+    heads = doc.get("locator_heads")
+    try:
+        acc = np.asarray(heads["accuracy"], dtype=np.float64)
+        sites, chance = heads["sites"], float(heads["chance"])
+        ok = (acc.ndim == 2 and acc.size and np.all((acc >= 0) & (acc <= 1))
+              and isinstance(sites, list) and len(sites) == acc.shape[0]
+              and all(isinstance(x, str) for x in sites) and len(set(sites)) == len(sites)
+              and 0 <= chance <= 1)
+    except (TypeError, KeyError, ValueError):
+        ok = False
+    if not ok:
+        raise ResultStoreError(f"{path}: not a per-head summary (a layers x heads matrix "
+                               "of shares, one site per layer, a chance share); remove it.")
+    return _heads_summary(acc, chance, sites)
 
 
 def _plot_heads(heads, path, log):

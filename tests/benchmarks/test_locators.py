@@ -99,18 +99,35 @@ def test_resume_after_an_interruption_gives_the_uninterrupted_result(tmp_path, m
     assert resumed["resumed"]["fits_reused"] == {"top_locator_head": 1}
     for key in ("predictions", "choices", "summary", "paired"):
         assert resumed[key] == whole[key], key
-    # everything stored: no fit; the head-attention features are only read back from
-    # the cache for the heatmap (nothing extracted, not timed)
+    # everything stored: no fit, and no head-attention features either: the heatmap's
+    # summary was kept beside the stores (an activation cache may not outlive a session)
+    heads_store = out / f"{STEM}.partial-locator_heads.json"
+    assert json.loads(heads_store.read_text())["locator_heads"]["sites"]
     calls = _count_calls(monkeypatch, "top_locator_head")
     features = _count_calls(monkeypatch, "TurnActivationTransformer")
     again = bench.main(args + ["--out", str(out), "--resume"])
-    assert calls == [] and len(features) == 1
+    assert calls == [] and features == []
     assert again["resumed"]["passes_not_rerun"] == ["features head_attn"]
     assert "features head_attn" not in again["times"]
     assert again["locator_heads"] == whole["locator_heads"]
     assert again["predictions"] == whole["predictions"]
     assert again["choices"] == whole["choices"]
     assert "Resumed (--resume)" in (out / f"{STEM}.md").read_text()
+    # without the summary the features are read back from the cache (not extracted)
+    kept = heads_store.read_text()
+    heads_store.unlink()
+    features = _count_calls(monkeypatch, "TurnActivationTransformer")
+    assert bench.main(args + ["--out", str(out), "--resume"])["locator_heads"] == \
+        whole["locator_heads"] and len(features) == 1
+    assert heads_store.read_text() == kept
+    # a summary of other settings, or a malformed one, is refused, naming the file
+    doc = json.loads(kept)
+    for bad in ({**doc, "signature": {**doc["signature"], "y": []}},
+                {**doc, "locator_heads": {**doc["locator_heads"], "accuracy": [[2.0]]}},
+                {**doc, "locator_heads": {**doc["locator_heads"], "sites": ["x"]}}):
+        heads_store.write_text(json.dumps(bad))
+        with pytest.raises(ResultStoreError, match="partial-locator_heads.json"):
+            bench.main(args + ["--out", str(out), "--resume"])
 
 
 def test_an_interrupted_judge_goes_on_conversation_by_conversation(tmp_path, monkeypatch):
