@@ -33,7 +33,9 @@ import contextlib
 import hashlib
 import json
 import numbers
+import os
 import shutil
+import socket
 import tempfile
 import time
 import warnings
@@ -533,6 +535,37 @@ def _choose_pair(pairs, split_scores, splits):
     return best, mean
 
 
+def _shared_order(items, store, phase, stored):
+    """The items of a pass to compute here, in order, sharing the work through ``store``.
+
+    ``stored(i)`` says (and takes up) what the store already holds, also what another
+    process sharing the store finished meanwhile. Without a store every item is
+    computed. With one, an item another process has claimed is deferred; once the
+    others are done, each deferred item is computed here unless stored by then (a
+    claim left by a killed process only delays its item). Each yielded item is
+    claimed, and its claim released when the caller comes back (or stops).
+    """
+    deferred = []
+    for i in items:
+        if stored(i):
+            continue
+        if store is not None and not store.claim(phase, i):
+            deferred.append(i)
+            continue
+        try:
+            yield i
+        finally:
+            if store is not None:
+                store.release(phase, i)
+    for i in deferred:
+        if stored(i):
+            continue
+        try:
+            yield i
+        finally:
+            store.release(phase, i)
+
+
 class _GraftStore:
     """Head statistics and graft scores of :func:`grafted_split_predictions` on disk.
 
@@ -560,7 +593,52 @@ class _GraftStore:
         self.stats, self.scores, self.threads = {}, {}, set()
         self._warned = False
         if self.path.exists():
-            self._read(read_json(self.path))
+            self.stats, self.scores, self.threads = self._read(read_json(self.path))
+
+    def refresh(self):
+        """Read the file again: what another process stored meanwhile is added.
+
+        Entries this store holds are kept (for an entry both hold, computed with the
+        same code, settings and thread count, the values are the same).
+        """
+        if self.path.exists():
+            stats, scores, threads = self._read(read_json(self.path))
+            for key, value in stats.items():
+                self.stats.setdefault(key, value)
+            for key, value in scores.items():
+                self.scores.setdefault(key, value)
+            self.threads |= threads
+        return self
+
+    def _claim_path(self, phase, i):
+        return self.path.with_name(f"{self.path.name}.{phase}-{int(i)}.claim")
+
+    def claim(self, phase, i):
+        """Mark conversation ``i`` of ``phase`` ("stats" or "grafts") as taken here.
+
+        Advisory, as :meth:`skafa.llm.ActivationCache.claim`: a file
+        ``<store>.<phase>-<i>.claim`` beside the store, created atomically. ``False``
+        when another process holds it (the caller does other conversations first and
+        comes back); ``True`` when the claim is this process's, or when it could not
+        be written (nobody to share with, then).
+        """
+        try:
+            fd = os.open(self._claim_path(phase, i), os.O_CREAT | os.O_EXCL | os.O_WRONLY,
+                         0o644)
+        except FileExistsError:
+            return False
+        except OSError:
+            return True
+        with os.fdopen(fd, "w") as f:  # for a person looking; never read back
+            f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+        return True
+
+    def release(self, phase, i):
+        """Remove the claim on conversation ``i`` of ``phase``, whoever made it."""
+        try:
+            os.remove(self._claim_path(phase, i))
+        except OSError:
+            pass
 
     def _bad(self, what):
         raise ResultStoreError(f"{self.path}: {what}; remove the file (it was not written "
@@ -601,7 +679,7 @@ class _GraftStore:
         if (not isinstance(threads, list) or any(
                 isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in threads)):
             self._bad(f"'threads' is {threads!r}, not a list of thread counts")
-        self.threads = set(threads)
+        got_stats, got_scores = {}, {}
         n = len(self.n_candidates)
         stats, scores = data.get("stats"), data.get("scores")
         if not isinstance(stats, list) or not isinstance(scores, list):
@@ -612,8 +690,8 @@ class _GraftStore:
             i = entry[0]
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
                 self._bad(f"stats[{k}] names conversation {i!r} (there are {n})")
-            self.stats[i] = (self._matrix(entry[1], f"stats[{k}] locator", False),
-                             self._matrix(entry[2], f"stats[{k}] writer", True))
+            got_stats[i] = (self._matrix(entry[1], f"stats[{k}] locator", False),
+                            self._matrix(entry[2], f"stats[{k}] writer", True))
         for k, entry in enumerate(scores):
             if not isinstance(entry, list) or len(entry) != 4:
                 self._bad(f"scores[{k}] is not [conversation, locators, writers, scores]")
@@ -629,7 +707,8 @@ class _GraftStore:
                            or not np.isfinite(v) for v in values)):
                 self._bad(f"scores[{k}] does not hold {self.n_candidates[i]} finite scores "
                           f"for conversation {i}")
-            self.scores[i, config] = np.asarray(values, dtype=np.float64)
+            got_scores[i, config] = np.asarray(values, dtype=np.float64)
+        return got_stats, got_scores, set(threads)
 
     def save(self):
         import torch
@@ -637,6 +716,7 @@ class _GraftStore:
         def matrix(m):
             return [[None if not np.isfinite(v) else float(v) for v in row] for row in m]
 
+        self.refresh()  # another process's entries are kept, not overwritten
         now = int(torch.get_num_threads())
         if self.threads and now not in self.threads and not self._warned:
             self._warned = True
@@ -882,13 +962,10 @@ n_conversations_fit_
 
     def _head_statistics(self, lm, convs, plan, steps, store=None, kv=None):
         """Per conversation and head: mass on the decisive turn, direct-effect contrast."""
-        locator, writer = [], []
+        locator, writer = {}, {}
         start = time.perf_counter()
-        for i, enc in enumerate(plan.encodings):
-            if store is not None and i in store.stats:
-                locator.append(store.stats[i][0])
-                writer.append(store.stats[i][1])
-                continue
+
+        def compute(i, enc):
             firsts = [int(c[0]) for c in plan.continuations[i]]
             tokens = sorted(set(firsts))
             session = self._session(lm, plan, i)
@@ -899,19 +976,32 @@ n_conversations_fit_
             spans = list(zip(np.asarray(enc.turn_start_positions).tolist(),
                              (np.asarray(enc.turn_positions) + 1).tolist()))
             step = int(steps[i])
-            locator.append(turn_attention_mass(rows, spans[step:step + 1])[..., 0])
+            locator[i] = turn_attention_mass(rows, spans[step:step + 1])[..., 0]
             true = tokens.index(firsts[step])
             others = [k for k in range(len(tokens)) if k != true]
             if others:
-                writer.append(direct[..., true] - direct[..., others].mean(-1))
+                writer[i] = direct[..., true] - direct[..., others].mean(-1)
             else:  # every candidate starts with the same token: no contrast
-                writer.append(np.full(direct.shape[:2], np.nan))
+                writer[i] = np.full(direct.shape[:2], np.nan)
             if store is not None:
-                store.stats[i] = (np.asarray(locator[-1], dtype=np.float64),
-                                  np.asarray(writer[-1], dtype=np.float64))
+                store.stats[i] = (np.asarray(locator[i], dtype=np.float64),
+                                  np.asarray(writer[i], dtype=np.float64))
                 store.save()
-            self._log(start, i + 1, len(convs), [i], convs, [len(plan.prefixes[i])])
-        return np.stack(locator).astype(np.float64), np.stack(writer).astype(np.float64)
+            self._log(start, len(locator), len(convs), [i], convs, [len(plan.prefixes[i])])
+
+        def stored(i):  # also what another process sharing the store has finished
+            if store is not None and i not in store.stats:
+                store.refresh()
+            if store is not None and i in store.stats:
+                locator[i], writer[i] = store.stats[i]
+                return True
+            return False
+
+        for i in _shared_order(range(len(plan.encodings)), store, "stats", stored):
+            compute(i, plan.encodings[i])
+        order = range(len(plan.encodings))
+        return (np.stack([locator[i] for i in order]).astype(np.float64),
+                np.stack([writer[i] for i in order]).astype(np.float64))
 
     def _inner_splits(self, convs, steps, groups):
         task_ids = [c.task_id for c in convs]
@@ -967,8 +1057,20 @@ n_conversations_fit_
                          if any(_active(c, mix) for c in configs))
         start = time.perf_counter()
         total = sum(sum(_active(c, mix) for c in requests[i]) for i in grafted)
-        scored = 0
-        for done, i in enumerate(grafted, 1):
+        scored, done = 0, 0
+
+        def stored(i):  # also what another process sharing the store has finished
+            if store is None:
+                return False
+            if any((i, c) not in store.scores for c in requests[i]):
+                store.refresh()
+            if all((i, c) in store.scores for c in requests[i]):
+                out.update({(i, c): store.scores[i, c] for c in requests[i]})
+                return True
+            return False
+
+        for i in _shared_order(grafted, store, "grafts", stored):
+            done += 1
             session = self._session(lm, plan, i, kv)
             _, rows, _ = session.step()
             for config in requests[i]:
@@ -983,9 +1085,10 @@ n_conversations_fit_
             if store is not None:
                 store.save()
             elapsed = time.perf_counter() - start
+            left = f"about {elapsed / scored * (total - scored):.0f} s left" if scored else ""
             log(self, 1, f"grafts {done}/{len(grafted)} conversations "
                          f"({convs[i].record_id or i}): {scored}/{total} scorings, "
-                         f"{elapsed:.2f} s, about {elapsed / scored * (total - scored):.0f} s left")
+                         f"{elapsed:.2f} s{', ' if left else ''}{left}")
         return out
 
     # ------------------------------------------------------------------ prediction

@@ -594,3 +594,102 @@ def test_a_graft_store_records_its_thread_counts_and_warns_on_another(tiny, conv
             grafted_split_predictions(judge, convs, y, splits, groups=groups, store=path)
     path.write_text(json.dumps({k: v for k, v in kept.items() if k != "threads"}))
     grafted_split_predictions(judge, convs, y, splits, groups=groups, store=path)  # older file
+
+
+def _sessions(monkeypatch):
+    """The conversations whose prompt a GraftedJudge reads, in order."""
+    from skafa.baselines import _grafted
+
+    real, seen = _grafted.GraftedJudge._session, []
+
+    def session(self, lm, plan, i, kv=None):
+        seen.append(int(i))
+        return real(self, lm, plan, i, kv)
+
+    monkeypatch.setattr(_grafted.GraftedJudge, "_session", session)
+    return seen
+
+
+def test_a_claimed_conversation_is_done_last_and_its_claim_removed(tiny, convs, tmp_path,
+                                                                   monkeypatch):
+    """Another process's claim defers a conversation; a stale one never blocks it."""
+    from skafa.baselines import grafted_split_predictions
+
+    groups = np.array([c.task_id for c in convs])
+    y = _steps(convs)
+    splits = [(np.arange(5), np.arange(5, 8)), (np.arange(3, 8), np.arange(3))]
+    judge = GraftedJudge(LLAMA, locator_grid=(1, 2), writer_grid=(1,), cv=GroupKFold(2))
+    expected, _ = grafted_split_predictions(judge, convs, y, splits, groups=groups)
+    path = tmp_path / "graft.json"
+    claims = [tmp_path / "graft.json.stats-0.claim", tmp_path / "graft.json.grafts-0.claim"]
+    for claim in claims:  # left by a process that was killed
+        claim.write_text("{}")
+    seen = _sessions(monkeypatch)
+    got, _ = grafted_split_predictions(judge, convs, y, splits, groups=groups, store=path)
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)
+    n = len(convs)
+    assert seen[:n] == [*range(1, n), 0]  # statistics: the claimed conversation last
+    assert seen[n:][-1] == 0 and sorted(seen[n:]) == list(range(n))  # grafts, too
+    assert not any(c.exists() for c in claims)
+    assert list(tmp_path.glob("*.claim")) == []
+
+
+def _share_graft_store(path, delay, queue):
+    """One of two processes filling one graft store (spawned: builds its own model)."""
+    import time
+
+    torch.set_num_threads(1)
+    from skafa.baselines import _grafted, grafted_split_predictions
+
+    tok = make_tiny_tokenizer()
+    register_model(LLAMA, _sharpen(make_tiny_llama(max_position_embeddings=4096, seed=3)),
+                   tok, overwrite=True)
+    convs = make_conversations(8, min_turns=2, max_turns=6, seed=7)
+    real, seen = _grafted.GraftedJudge._session, []
+
+    def session(self, lm, plan, i, kv=None):
+        seen.append(int(i))
+        time.sleep(delay)  # slow enough for the two processes to overlap
+        return real(self, lm, plan, i, kv)
+
+    _grafted.GraftedJudge._session = session
+    splits = [(np.arange(5), np.arange(5, 8)), (np.arange(3, 8), np.arange(3))]
+    judge = GraftedJudge(LLAMA, locator_grid=(1, 2), writer_grid=(1,), cv=GroupKFold(2))
+    got, _ = grafted_split_predictions(judge, convs, _steps(convs), splits,
+                                       groups=np.array([c.task_id for c in convs]),
+                                       store=path)
+    queue.put(([p.tolist() for p in got], seen))
+
+
+def test_two_processes_share_a_graft_store(tiny, convs, tmp_path):
+    """Two processes on one store split the conversations and give the same predictions."""
+    import json
+    import multiprocessing
+
+    from skafa.baselines import grafted_split_predictions
+
+    groups = np.array([c.task_id for c in convs])
+    y = _steps(convs)
+    splits = [(np.arange(5), np.arange(5, 8)), (np.arange(3, 8), np.arange(3))]
+    judge = GraftedJudge(LLAMA, locator_grid=(1, 2), writer_grid=(1,), cv=GroupKFold(2))
+    expected, _ = grafted_split_predictions(judge, convs, y, splits, groups=groups)
+    path = tmp_path / "shared.json"
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    workers = [ctx.Process(target=_share_graft_store, args=(path, 0.3, queue))
+               for _ in range(2)]
+    for w in workers:
+        w.start()
+    results = [queue.get(timeout=300) for _ in workers]
+    for w in workers:
+        w.join(timeout=60)
+        assert w.exitcode == 0
+    n = len(convs)
+    for predictions, seen in results:
+        assert predictions == [p.tolist() for p in expected]
+        assert 0 < len(seen) < 2 * n  # each read some prompts, neither all of both passes
+    assert sum(len(seen) for _, seen in results) < 3 * n  # shared, not each doing all
+    kept = json.loads(path.read_text())
+    assert sorted(e[0] for e in kept["stats"]) == list(range(n)) and kept["threads"] == [1]
+    assert list(tmp_path.glob("*.claim")) == []
