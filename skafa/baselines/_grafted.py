@@ -1262,7 +1262,13 @@ def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None, store
         interruption and only the missing ones are computed (the predictions
         are the same). A file written for other conversations, labels, model,
         prompt or ``mix`` is refused (:class:`~skafa.model_selection.ResultStoreError`),
-        as is a damaged one. ``None``: nothing is kept.
+        as is a damaged one. ``None``: nothing is kept. Several processes may
+        fill one store at the same time (same call, same thread count): each
+        claims the conversation it works on (a ``<store>.<pass>-<i>.claim`` file
+        beside the store, removed when done), skips what another has claimed or
+        stored, and reads the store again before each write, so the work is
+        split and nothing is lost; a claim left by a killed process only defers
+        its conversation.
     kv_dir : str or path-like, default=None
         A folder in which each prompt's KV cache is kept on disk between the
         statistics pass and the graft pass, so every prompt is read once instead
