@@ -72,6 +72,10 @@ def parse_args(argv=None):
                    help="read the recommended row's outer fits from §3's fit store of the "
                         "same cell (prereg_<tag>_<subset>.partial-echo.json), checked, "
                         "instead of running its feature pass")
+    p.add_argument("--judge-scores-from", default=None, metavar="STORE",
+                   help="read the prompted judge's per-conversation scores, where it holds "
+                        "them, from another run's judge score store of the same judge "
+                        "(e.g. §3's prereg_<tag>_<subset>.partial-judge.json), checked")
     p.add_argument("--smoke", action="store_true",
                    help="a tiny random model on 20 synthetic records: checks the wiring only")
     return p.parse_args(argv)
@@ -85,6 +89,7 @@ def main(argv=None):
         rows=[r.strip() for r in args.rows.split(",") if r.strip()],
         n_resamples=args.n_resamples, resume=args.resume, extract_only=args.extract_only,
         recheck_grafts=args.recheck_grafts, recommended_from=args.recommended_from,
+        judge_scores_from=args.judge_scores_from,
         command=" ".join(["python"] + sys.argv))
     if args.smoke:
         from skafa.llm import register_model

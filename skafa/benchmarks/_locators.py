@@ -139,6 +139,7 @@ class LocatorBenchmarkSettings:
     extract_only: bool = False
     recheck_grafts: int = 0
     recommended_from: str | None = None
+    judge_scores_from: str | None = None
     resume: bool = False
     smoke: bool = False
     command: str = ""
@@ -693,7 +694,8 @@ def _run_locator_benchmark(settings, conversations, subset_label, log):
                 # an interrupted judge pass goes on where it stopped
                 pred = judge_predictions(
                     settings, convs, judge_template, settings.cache_dir,
-                    store=out / f"{stem}.partial-judge-scores.json" if settings.resume else None)
+                    store=out / f"{stem}.partial-judge-scores.json" if settings.resume else None,
+                    earlier=settings.judge_scores_from)
                 finish("judge", 0, 0, pred, {}, time.perf_counter() - t)
                 _say(log, f"judge: {len(convs)} conversations in "
                           f"{done['judge'][0, 0][2]:.1f}s (fitted once, all outer fits)")
@@ -760,6 +762,10 @@ def _run_locator_benchmark(settings, conversations, subset_label, log):
         result["resumed"] = {"fits_reused": reused, "passes_not_rerun": skipped}
     if from_store is not None:
         result["recommended_from"] = from_store
+    if settings.judge_scores_from and todo.get("judge"):
+        path = Path(settings.judge_scores_from)
+        result["judge_scores_from"] = {"file": path.name, "sha256": hashlib.sha256(
+            path.read_bytes()).hexdigest()}
     heads = locator_heads_summary(cell.H, y) if cell.H is not None else stored_heads
     if heads is not None and heads_file is not None and heads != stored_heads:
         write_json(heads_file[0], {"signature": heads_file[1], "locator_heads": heads})
@@ -920,6 +926,12 @@ def locator_markdown(result):
                   f"store of the same cell, `{src['file']}` (sha256 {src['sha256'][:12]}; "
                   "same model, dtype, records, prompt, budget, sites and folds, checked; "
                   "`--recommended-from`), not computed again.", ""]
+    src = result.get("judge_scores_from")
+    if src:
+        lines += [f"The prompted judge's scores were read, where it held them, from another "
+                  f"run's judge score store of the same judge, `{src['file']}` (sha256 "
+                  f"{src['sha256'][:12]}; same model, dtype, prompt and answer prefix, and "
+                  "each conversation's digest, checked; `--judge-scores-from`).", ""]
     heads = result.get("locator_heads")
     if heads:
         best = ", ".join(f"{site} head {h} {100 * a:.1f}%" for site, h, a in heads["top"])

@@ -24,13 +24,20 @@ from ..llm import (
     context_length,
     conversation_content,
     has_sliding_window,
+    identity_matches,
 )
-from ..model_selection import JudgeScoreStore, ResultStoreError, read_result, result_dtype
+from ..model_selection import (
+    JudgeScoreStore,
+    ResultStoreError,
+    read_json,
+    read_result,
+    result_dtype,
+)
 from ..utils.progress import Timer
 
 __all__ = ["JUDGE", "PLAIN_CHAT_TEMPLATE", "attention_note", "dask_backend",
-           "judge_cache_head", "judge_from_result", "judge_predictions", "mi4afa_activations",
-           "mi4afa_fold", "mi4afa_setup", "peak_rss_during", "peer_cost"]
+           "earlier_judge_store", "judge_cache_head", "judge_from_result", "judge_predictions",
+           "mi4afa_activations", "mi4afa_fold", "mi4afa_setup", "peak_rss_during", "peer_cost"]
 
 #: The judge's method name in result tables.
 JUDGE = "PromptedJudge (logprob)"
@@ -59,7 +66,40 @@ def judge_cache_head(judge, settings, template):
     return head
 
 
-def judge_predictions(settings, convs, template, cache_dir, store=None):
+def earlier_judge_store(path, head, model):
+    """A judge score store another run wrote for the same judge, opened read-only.
+
+    Its signature must name this judge (``head``: prompt fingerprint, answer prefix,
+    dtype) and the model ``model`` refers to; an identity written before 2026-12-04
+    (a GGUF file named by size and first and last MiB) is recognised
+    (:func:`skafa.llm.identity_matches`). Each entry's digest was made with that
+    store's own signature, so :meth:`~skafa.model_selection.JudgeScoreStore.get`
+    is asked with it (see :func:`judge_predictions`).
+
+    Raises
+    ------
+    ResultStoreError
+        Naming the file and every field that differs.
+    """
+    path = Path(path)
+    doc = read_json(path)
+    sig = doc.get("signature") if isinstance(doc, dict) else None
+    if not isinstance(sig, dict):
+        raise ResultStoreError(f"{path}: not a judge score store (no signature).")
+    want = json.loads(json.dumps(head, sort_keys=True, default=str))
+    problems = [f"{k} {sig.get(k)!r}, not {v!r}" for k, v in want.items()
+                if k != "model" and sig.get(k) != v]
+    if set(sig) != set(want):
+        problems.append(f"fields {sorted(sig)}, not {sorted(want)}")
+    if not identity_matches(sig.get("model"), model):
+        problems.append(f"model {sig.get('model')!r}, not {want.get('model')!r}")
+    if problems:
+        raise ResultStoreError(f"judge scores from {path}: another judge: "
+                               f"{'; '.join(problems)}.")
+    return JudgeScoreStore(path, sig)
+
+
+def judge_predictions(settings, convs, template, cache_dir, store=None, earlier=None):
     """Zero-shot judge predictions for every conversation, cached as JSON.
 
     Each conversation's scores are written as soon as they exist
@@ -68,6 +108,9 @@ def judge_predictions(settings, convs, template, cache_dir, store=None):
     resumes where it stopped; a file of the whole set written by earlier versions
     (``judge-<key>.json``) is still read. With ``store`` (a path), they also go to a
     :class:`~skafa.model_selection.JudgeScoreStore` kept with the results, read first.
+    With ``earlier`` (a path), a judge score store another run wrote for the same
+    judge is read next (:func:`earlier_judge_store`, checked; each conversation's
+    entry must carry that conversation's digest), never written.
     """
     from tqdm.auto import tqdm
 
@@ -75,8 +118,9 @@ def judge_predictions(settings, convs, template, cache_dir, store=None):
     judge.fit(convs)
     head = judge_cache_head(judge, settings, template)
     keep = JudgeScoreStore(store, head) if store is not None else None
+    old = earlier_judge_store(earlier, head, settings.model) if earlier is not None else None
 
-    def digest(extra):
+    def digest(extra, head=head):
         return hashlib.sha256(json.dumps({**head, **extra}, sort_keys=True,
                                          default=str).encode()).hexdigest()[:24]
 
@@ -90,6 +134,8 @@ def judge_predictions(settings, convs, template, cache_dir, store=None):
         key = digest({"conv": content})
         rid = conv.record_id if conv.record_id is not None else f"#{i}"
         s = keep.get(rid, key, len(conv.turns)) if keep is not None else None
+        if s is None and old is not None:
+            s = old.get(rid, digest({"conv": content}, old.signature), len(conv.turns))
         path = Path(cache_dir) / "judge" / f"{key}.json" if cache_dir else None
         if s is None and path is not None and path.exists():
             s = np.array(json.loads(path.read_text()))

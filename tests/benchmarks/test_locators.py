@@ -394,3 +394,55 @@ def test_recommended_row_read_from_the_same_cells_section3_store(tmp_path, monke
     other["entries"]["0|0"][RECOMMENDED]["pred"][0] = 10 ** 6
     refused(other, "steps beyond")
     refused({"entries": {}}, "not a fit store")
+
+
+def test_judge_scores_read_from_another_runs_store_of_the_same_judge(tmp_path, monkeypatch):
+    """--judge-scores-from: §3's judge score store gives the judge row §8 computes."""
+    from skafa.baselines import PromptedJudge
+    from skafa.benchmarks import BenchmarkSettings, run_benchmark
+    from skafa.testing import make_conversations
+
+    bench = _load("benchmark_locators")
+    args = ["--smoke", "--rows", "judge,position", "--resume"]
+    computed = bench.main(args + ["--out", str(tmp_path / "computed")])  # registers the model
+    prereg = BenchmarkSettings(
+        model="locators-smoke", tag="smoke", preregistered=True, reads=["last"],
+        sites="all", folds=2, inner_folds=2, repeats=1, no_stack=True, no_mi4afa=True,
+        peer_n=0, n_resamples=50, resume=True, out=str(tmp_path / "s3"))
+    run_benchmark(prereg, make_conversations(20, seed=0), subset_label="Algorithm-Generated")
+    store = tmp_path / "s3" / "prereg_smoke_Algorithm-Generated.partial-judge.json"
+    stored = json.loads(store.read_text())
+    assert len(stored["entries"]) == 20
+    real, calls = PromptedJudge.turn_decision_function, []
+
+    def counted(self, X):
+        calls.append(1)
+        return real(self, X)
+
+    monkeypatch.setattr(PromptedJudge, "turn_decision_function", counted)
+    out = tmp_path / "reused"
+    reused = bench.main(args + ["--out", str(out), "--judge-scores-from", str(store)])
+    assert calls == []  # every conversation's scores came from the other store
+    assert reused["predictions"] == computed["predictions"]
+    assert reused["judge_scores_from"]["file"] == store.name
+    kept = json.loads((out / f"{STEM}.partial-judge-scores.json").read_text())
+    assert len(kept["entries"]) == 20  # and are kept in this cell's own store
+    assert "--judge-scores-from" in (out / f"{STEM}.md").read_text()
+
+    def refused(doc, match):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(doc))
+        with pytest.raises(ResultStoreError, match=match):
+            bench.main(args + ["--out", str(tmp_path / "x"), "--judge-scores-from", str(bad)])
+
+    refused({**stored, "signature": {**stored["signature"], "dtype": "bfloat16"}},
+            "another judge: .*fields")
+    refused({**stored, "signature": {**stored["signature"], "prompt": "0" * 64}},
+            "another judge: prompt")
+    refused({**stored, "signature": {**stored["signature"], "model": {"kind": "hub"}}},
+            "another judge: model")
+    first = next(iter(stored["entries"]))
+    other = json.loads(json.dumps(stored))
+    other["entries"][first]["scores"].append(0.0)  # another conversation's scores
+    refused(other, "of another conversation")
+    refused([], "not a judge score store")
