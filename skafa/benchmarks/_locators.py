@@ -95,7 +95,8 @@ from ._who_and_when import (
 )
 
 __all__ = ["LOCATOR_ROWS", "LocatorBenchmarkSettings", "gap_closed", "locator_heads_summary",
-           "locator_markdown", "run_locator_benchmark", "top_locator_head"]
+           "locator_markdown", "recommended_fits_from_store", "run_locator_benchmark",
+           "top_locator_head"]
 
 #: The rows of §8, in table order.
 LOCATOR_ROWS = ("locator_probe", "top_locator_head", "grafted_judge", "judge",
