@@ -259,7 +259,7 @@ def test_the_judges_prompts_leave_room_for_their_answer_tokens(tmp_path, monkeyp
     bench = _load("benchmark_locators")
     seen = {}
 
-    def judge(settings, convs, template, cache_dir, store=None):
+    def judge(settings, convs, template, cache_dir, store=None, earlier=None):
         seen["judge"] = template.max_prompt_tokens
         return np.zeros(len(convs), dtype=np.int64)
 
