@@ -298,6 +298,11 @@ def test_every_committed_result_file_is_readable():
             # the grafted judge's own store: validated by its reader (baselines tests)
             assert stored["format"] == "skafa.grafted-split-store" and stored["stats"]
             continue
+        if path.name.endswith("-locator_heads.json"):  # §8's per-head heatmap summary
+            from skafa.benchmarks._locators import _read_locator_heads
+
+            assert _read_locator_heads(path, stored["signature"])["accuracy"]
+            continue
         store_cls = (JudgeScoreStore if path.name.endswith(("-judge.json", "-judge-scores.json"))
                      else FoldResultStore)
         store = store_cls(path, stored["signature"])   # validated, same signature
