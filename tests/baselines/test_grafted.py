@@ -70,6 +70,14 @@ def _fixed(name, convs, locators, writers, *, mix=1.0, batch_size=1):
     return judge
 
 
+def _split_case(convs):
+    """Groups, labels, two splits and a judge with two (locators, writers) pairs."""
+    groups = np.array([c.task_id for c in convs])
+    splits = [(np.arange(5), np.arange(5, 8)), (np.arange(3, 8), np.arange(3))]
+    judge = GraftedJudge(LLAMA, locator_grid=(1, 2), writer_grid=(1,), cv=GroupKFold(2))
+    return groups, _steps(convs), splits, judge
+
+
 def _same(a, b):
     return all(np.array_equal(x, y) for x, y in zip(a, b))
 
@@ -459,10 +467,7 @@ def test_split_predictions_resume_from_their_store(tiny, convs, tmp_path, monkey
     from skafa.baselines import _grafted, grafted_split_predictions
     from skafa.model_selection import ResultStoreError
 
-    groups = np.array([c.task_id for c in convs])
-    y = _steps(convs)
-    splits = [(np.arange(5), np.arange(5, 8)), (np.arange(3, 8), np.arange(3))]
-    judge = GraftedJudge(LLAMA, locator_grid=(1, 2), writer_grid=(1,), cv=GroupKFold(2))
+    groups, y, splits, judge = _split_case(convs)
     expected, _ = grafted_split_predictions(judge, convs, y, splits, groups=groups)
     path = tmp_path / "graft.json"
     real = _grafted._AnswerSession.step
@@ -509,10 +514,7 @@ def test_recheck_graft_store_finds_equal_and_changed_scores(tiny, convs, tmp_pat
     from skafa.baselines import grafted_split_predictions, recheck_graft_store
     from skafa.model_selection import ResultStoreError
 
-    groups = np.array([c.task_id for c in convs])
-    y = _steps(convs)
-    splits = [(np.arange(5), np.arange(5, 8)), (np.arange(3, 8), np.arange(3))]
-    judge = GraftedJudge(LLAMA, locator_grid=(1, 2), writer_grid=(1,), cv=GroupKFold(2))
+    groups, y, splits, judge = _split_case(convs)
     path = tmp_path / "graft.json"
     grafted_split_predictions(judge, convs, y, splits, groups=groups, store=path)
     kept = json.loads(path.read_text())
@@ -615,10 +617,7 @@ def test_a_claimed_conversation_is_done_last_and_its_claim_removed(tiny, convs, 
     """Another process's claim defers a conversation; a stale one never blocks it."""
     from skafa.baselines import grafted_split_predictions
 
-    groups = np.array([c.task_id for c in convs])
-    y = _steps(convs)
-    splits = [(np.arange(5), np.arange(5, 8)), (np.arange(3, 8), np.arange(3))]
-    judge = GraftedJudge(LLAMA, locator_grid=(1, 2), writer_grid=(1,), cv=GroupKFold(2))
+    groups, y, splits, judge = _split_case(convs)
     expected, _ = grafted_split_predictions(judge, convs, y, splits, groups=groups)
     path = tmp_path / "graft.json"
     claims = [tmp_path / "graft.json.stats-0.claim", tmp_path / "graft.json.grafts-0.claim"]
@@ -654,11 +653,8 @@ def _share_graft_store(path, delay, queue):
         return real(self, lm, plan, i, kv)
 
     _grafted.GraftedJudge._session = session
-    splits = [(np.arange(5), np.arange(5, 8)), (np.arange(3, 8), np.arange(3))]
-    judge = GraftedJudge(LLAMA, locator_grid=(1, 2), writer_grid=(1,), cv=GroupKFold(2))
-    got, _ = grafted_split_predictions(judge, convs, _steps(convs), splits,
-                                       groups=np.array([c.task_id for c in convs]),
-                                       store=path)
+    groups, y, splits, judge = _split_case(convs)
+    got, _ = grafted_split_predictions(judge, convs, y, splits, groups=groups, store=path)
     queue.put(([p.tolist() for p in got], seen))
 
 
@@ -669,10 +665,7 @@ def test_two_processes_share_a_graft_store(tiny, convs, tmp_path):
 
     from skafa.baselines import grafted_split_predictions
 
-    groups = np.array([c.task_id for c in convs])
-    y = _steps(convs)
-    splits = [(np.arange(5), np.arange(5, 8)), (np.arange(3, 8), np.arange(3))]
-    judge = GraftedJudge(LLAMA, locator_grid=(1, 2), writer_grid=(1,), cv=GroupKFold(2))
+    groups, y, splits, judge = _split_case(convs)
     expected, _ = grafted_split_predictions(judge, convs, y, splits, groups=groups)
     path = tmp_path / "shared.json"
     ctx = multiprocessing.get_context("spawn")
