@@ -16,7 +16,7 @@ def _cores():
 
 
 def pytest_configure(config):
-    """Share the cores among pytest-xdist workers (``python -m pytest -n auto``).
+    """Pin ``dtype="auto"`` to float32; share the cores among pytest-xdist workers.
 
     Each worker is a process with its own torch thread pool, which by default
     takes every core: two workers on two cores would run four spinning OpenMP
@@ -26,6 +26,11 @@ def pytest_configure(config):
     starts (Dask workers, subprocess tests) through ``OMP_NUM_THREADS``, unless the
     caller set it. A run without workers is left as it is.
     """
+    # dtype="auto" means bfloat16 on a CPU with bfloat16 units (AMX, AVX512-BF16): the
+    # tests' expectations (float32 references, cache keys, exact equalities) must not
+    # change with the machine, so "auto" is float32 here and in every process a test
+    # starts; tests of the rule itself fake the CPU (tests/llm/test_dtype.py).
+    os.environ.setdefault("SKAFA_CPU_BF16", "0")
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if not workers:
         return

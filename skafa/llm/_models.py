@@ -199,8 +199,15 @@ def cpu_has_bf16() -> bool:
     """Whether this CPU has native bfloat16 matrix units (AMX-BF16 or AVX512-BF16).
 
     Read once per process from the ``flags`` of ``/proc/cpuinfo`` (Linux);
-    ``False`` where that file does not exist.
+    ``False`` where that file does not exist. The environment variable
+    ``SKAFA_CPU_BF16`` set to ``0`` or ``1`` overrides the reading (and is seen by
+    the processes a run starts): with ``0``, ``dtype="auto"`` means float32 on
+    every CPU, as skafa's test suite sets it so that its results do not depend on
+    the machine.
     """
+    env = os.environ.get("SKAFA_CPU_BF16", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
     global _CPU_BF16
     if _CPU_BF16 is None:
         _CPU_BF16 = _bf16_flags("/proc/cpuinfo")

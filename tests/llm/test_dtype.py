@@ -40,6 +40,15 @@ def tiny_folder(tmp_path):
 
 
 # ------------------------------------------------------------------ resolve_dtype
+def test_skafa_cpu_bf16_overrides_the_cpu_flags(monkeypatch):
+    monkeypatch.setenv("SKAFA_CPU_BF16", "1")
+    assert _models.cpu_has_bf16() is True and resolve_dtype("auto", "cpu") == "bfloat16"
+    monkeypatch.setenv("SKAFA_CPU_BF16", "0")
+    assert _models.cpu_has_bf16() is False and resolve_dtype("auto", "cpu") == "float32"
+    monkeypatch.setenv("SKAFA_CPU_BF16", "maybe")  # not 0/1: the CPU's flags decide
+    assert _models.cpu_has_bf16() is _models._bf16_flags("/proc/cpuinfo")
+
+
 def test_cpu_flags_are_read_not_guessed(tmp_path):
     amx = tmp_path / "amx"
     amx.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 amx_bf16 amx_tile\n\n")
