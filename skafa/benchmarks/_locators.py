@@ -618,8 +618,8 @@ def _run_locator_benchmark(settings, conversations, subset_label, log):
     if "judge" in rows and done["judge"]:
         todo["judge"] = []
     from_store = None
-    if (settings.recommended_from and "recommended" in rows and todo["recommended"]
-            and not settings.extract_only):
+    if settings.recommended_from and "recommended" in rows and not settings.extract_only:
+        # checked even when this cell's own store already holds every fit read from it
         cell.recommended_fits = recommended_fits_from_store(
             settings.recommended_from, settings, model, convs, y, template, budget, splits)
         path = Path(settings.recommended_from)
@@ -923,10 +923,11 @@ def locator_markdown(result):
                      if resumed.get("passes_not_rerun") else "") + ".", ""]
     src = result.get("recommended_from")
     if src:
-        lines += [f"The recommended row's {src['fits']} outer fits were read from §3's fit "
-                  f"store of the same cell, `{src['file']}` (sha256 {src['sha256'][:12]}; "
-                  "same model, dtype, records, prompt, budget, sites and folds, checked; "
-                  "`--recommended-from`), not computed again.", ""]
+        lines += ["The recommended row's outer fits come from §3's fit store of the same "
+                  f"cell, `{src['file']}` (sha256 {src['sha256'][:12]}; same model, dtype, "
+                  "records, prompt, budget, sites and folds, checked; `--recommended-from`; "
+                  f"{src['fits']} read from it in this run, the others from this cell's own "
+                  "store of them), not computed again.", ""]
     src = result.get("judge_scores_from")
     if src:
         lines += [f"The prompted judge's scores were read, where it held them, from another "

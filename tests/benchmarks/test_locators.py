@@ -367,7 +367,7 @@ def test_recommended_row_read_from_the_same_cells_section3_store(tmp_path, monke
     assert reused["choices"] == computed["choices"]
     assert reused["recommended_from"]["file"] == store.name
     md = (tmp_path / "reused" / "locators_smoke_Algorithm-Generated.md").read_text()
-    assert "read from §3's fit store of the same cell" in md
+    assert "come from §3's fit store of the same cell" in md
 
     def refused(doc, match):
         bad = tmp_path / "bad.json"
