@@ -17,7 +17,6 @@ Example (docs/results/dtype_qwen2.5-coder-1.5b.md)::
 import argparse
 import datetime
 import json
-import platform
 import shutil
 import subprocess
 import sys
@@ -70,15 +69,6 @@ def worker(args):
     print(json.dumps({"forward_hwm": _status("VmHWM")}), flush=True)
 
 
-def _machine():
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    info = {k.strip(): v.strip() for k, v in
-            (ln.split(":", 1) for ln in text.split("\n\n")[0].splitlines() if ":" in ln)}
-    simd = sorted(f for f in info.get("flags", "").split() if f.startswith(("avx", "amx")))
-    return (f"{info.get('model name', platform.processor())}; SIMD flags: "
-            f"{' '.join(simd) or 'none found'}")
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="short name, .gguf file or folder")
@@ -94,6 +84,8 @@ def main(argv=None):
         return worker(args)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from compare_dtypes import relative_errors  # one relative error, in one place
+
+    from skafa.llm import cpu_description
 
     tmp = tempfile.mkdtemp(prefix="skafa-dtype-")
     base = [sys.executable, str(Path(__file__).resolve()), "--model", args.model, "--tokens",
@@ -124,7 +116,7 @@ def main(argv=None):
         f"# float32 vs bfloat16: {args.model}", "",
         f"- command: `python examples/benchmark_dtype.py {' '.join(argv or sys.argv[1:])}`",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- machine: {_machine()}",
+        f"- machine: {cpu_description()}",
         f"- prompt: {n} tokens, {args.threads} thread(s), {args.repeats} interleaved repeats",
         "", "| dtype | load s | forward s (each repeat) | s per 1,000 tokens (best) "
         "| peak RSS load GiB | peak RSS forward GiB |", "|---|---|---|---|---|---|"]

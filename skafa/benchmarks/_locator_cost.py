@@ -34,14 +34,20 @@ import datetime
 import os
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 
 import numpy as np
 
 from ..baselines import GraftedJudge, PromptedJudge, grafted_split_predictions
-from ..llm import PromptTemplate, TurnActivationTransformer, decoder_layout, plan
+from ..llm import (
+    CPU_FLAGS,
+    PromptTemplate,
+    TurnActivationTransformer,
+    cpu_description,
+    decoder_layout,
+    plan,
+)
 from ._extraction import _bare_forward
 from ._who_and_when import _open_cell, _say
 
@@ -57,10 +63,6 @@ _LABELS = {
     "judge": "(c) prompted judge (logprob) `predict`, fitted once up front",
     "grafted_judge": "(d) grafted judge `predict` (1 locator, 1 writer), fitted once up front",
 }
-
-#: CPU flags that decide which kernels torch can use (reported when present).
-_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
-
 
 @dataclasses.dataclass
 class LocatorCostSettings:
@@ -97,31 +99,6 @@ def _check_settings(settings):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
             raise ValueError(f"LocatorCostSettings.{name} must be an int >= {low}, "
                              f"got {value!r}.")
-
-
-def _cpu():
-    """``(model name, [flags that matter present])`` of this machine's CPU."""
-    name, flags = None, set()
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
-                             env=dict(os.environ, LC_ALL="C")).stdout
-        for line in out.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "Model name" and name is None:
-                name = value.strip()
-            elif key.strip() == "Flags":
-                flags = set(value.split())
-    except (OSError, subprocess.SubprocessError):
-        pass
-    if not flags and os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and name is None:
-                    name = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
-    return name or platform.processor() or platform.machine(), [f for f in _FLAGS if f in flags]
 
 
 @contextlib.contextmanager
@@ -335,7 +312,7 @@ def run_locator_cost_benchmark(settings, conversations, *, log=None):
         "tokens_last": tokens_last, "tokens_through_model": through, "order": order,
         "forward_passes": passes, "head_features": head_features,
         "fits": fits, "bare_sum_s": bare_sum, "splits": splits_result,
-        "torch_threads": torch.get_num_threads(), "cpu": _cpu(),
+        "torch_threads": torch.get_num_threads(), "cpu": cpu_description(),
         "started": started, "load_s": load_s, "loadavg": (load0, load1),
         "total_s": time.perf_counter() - t_all, "command": settings.command,
         "attention": getattr(model.config, "_attn_implementation", None),
@@ -347,7 +324,6 @@ def run_locator_cost_benchmark(settings, conversations, *, log=None):
 def _markdown(r, settings):
     import torch
 
-    cpu, flags = r["cpu"]
     (a0, b0, c0), (a1, b1, c1) = r["loadavg"]
     tl = r["tokens_last"]
     n = len(r["records"])
@@ -357,8 +333,8 @@ def _markdown(r, settings):
         f"- Command: `{r['command'] or 'run_locator_cost_benchmark'}` (run from the "
         "repository root)",
         f"- Date: {r['started']:%Y-%m-%d %H:%M}; total run time {r['total_s'] / 60:.1f} min",
-        f"- Machine: {cpu}; CPU flags present among {', '.join(_FLAGS)}: "
-        f"{', '.join(flags) or 'none'}; os.cpu_count()={os.cpu_count()}; "
+        f"- Machine: {r['cpu']} (CPU flags present among {', '.join(CPU_FLAGS)}); "
+        f"os.cpu_count()={os.cpu_count()}; "
         f"{platform.platform()}; torch {torch.__version__}, {r['torch_threads']} threads; "
         f"attention `{r['attention']}`",
         f"- Load average (1/5/15 min) at start {a0:.1f}/{b0:.1f}/{c0:.1f}, at end "

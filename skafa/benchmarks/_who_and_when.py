@@ -48,6 +48,7 @@ from ..llm import (
     PromptTemplate,
     TurnActivationTransformer,
     context_length,
+    cpu_description,
     known_models,
     load_model,
     parse_site_spec,
@@ -175,7 +176,7 @@ def _sigterm_as_interrupt():
 def _machine():
     import torch
 
-    return (f"{os.cpu_count()} CPU cores, {platform.machine()}, Python "
+    return (f"{os.cpu_count()} CPU cores, {cpu_description()}, {platform.machine()}, Python "
             f"{platform.python_version()}, torch {torch.__version__}")
 
 

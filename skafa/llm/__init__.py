@@ -39,12 +39,14 @@ from ._head_attention import (
     turn_attention_mass,
 )
 from ._models import (
+    CPU_FLAGS,
     SMOLLM2_FILE,
     KnownModel,
     ModelHandle,
     ModelSpec,
     clear_model_cache,
     context_length,
+    cpu_description,
     cpu_has_bf16,
     identity_matches,
     known_model_path,
@@ -124,6 +126,8 @@ __all__ = [
     "clear_model_cache",
     "context_length",
     "conversation_content",
+    "CPU_FLAGS",
+    "cpu_description",
     "cpu_has_bf16",
     "decoder_layout",
     "encode",

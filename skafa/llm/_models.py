@@ -23,6 +23,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import platform
 import shutil
 import stat
 import tempfile
@@ -56,6 +57,8 @@ __all__ = [
     "context_length",
     "verify_saved_model",
     "resolve_dtype",
+    "CPU_FLAGS",
+    "cpu_description",
     "cpu_has_bf16",
     "KnownModel",
     "known_models",
@@ -185,14 +188,60 @@ def known_model_path(name) -> str:
 _CPU_BF16 = None
 
 
-def _bf16_flags(cpuinfo) -> bool:
-    """Whether the ``flags`` lines of a cpuinfo file name amx_bf16 or avx512_bf16."""
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+"""The CPU flags that decide how fast a forward pass runs (and what ``"auto"`` means)."""
+
+
+def _read_cpuinfo(cpuinfo):
+    """``(model name or None, set of flags)`` from a cpuinfo file (empty when unreadable)."""
+    name, flags = None, set()
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as f:
-            flags = {w for line in f if line.startswith("flags") for w in line.split()}
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and name is None:
+                    name = value.strip() or None
+                elif key == "flags":
+                    flags |= set(value.split())
     except OSError:
-        return False
-    return bool(flags & {"amx_bf16", "avx512_bf16"})
+        pass
+    return name, flags
+
+
+def _bf16_flags(cpuinfo) -> bool:
+    """Whether the ``flags`` lines of a cpuinfo file name amx_bf16 or avx512_bf16."""
+    return bool(_read_cpuinfo(cpuinfo)[1] & {"amx_bf16", "avx512_bf16"})
+
+
+def cpu_description(cpuinfo="/proc/cpuinfo") -> str:
+    """This machine's CPU in a few words, for result files: its name and the flags that matter.
+
+    The flags listed are those of :data:`CPU_FLAGS` that the CPU has (vector and
+    matrix units; bfloat16 is native with ``avx512_bf16`` or ``amx_bf16``), so two
+    result files of different CPUs of one family read differently.
+
+    Parameters
+    ----------
+    cpuinfo : str or path-like, default="/proc/cpuinfo"
+        The file to read (Linux); where it does not exist the name comes from
+        :func:`platform.processor` and no flag is listed.
+
+    Returns
+    -------
+    description : str
+        E.g. ``"AMD EPYC (avx2, avx512f, avx512_bf16)"``.
+
+    Examples
+    --------
+    >>> from skafa.llm import cpu_description
+    >>> isinstance(cpu_description(), str)
+    True
+    """
+    name, flags = _read_cpuinfo(cpuinfo)
+    name = name or platform.processor() or platform.machine() or "unknown CPU"
+    present = [f for f in CPU_FLAGS if f in flags]
+    return f"{name} ({', '.join(present) or 'no AVX2, AVX-512 or AMX'})"
 
 
 def cpu_has_bf16() -> bool:

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 from skafa.llm import (
+    CPU_FLAGS,
     TurnActivationTransformer,
     _models,
     clear_model_cache,
+    cpu_description,
     known_model_path,
     known_models,
     load_model,
@@ -61,6 +63,23 @@ def test_cpu_flags_are_read_not_guessed(tmp_path):
     assert not _models._bf16_flags(tmp_path / "missing")
     assert isinstance(_models.cpu_has_bf16(), bool)
     assert _models.cpu_has_bf16() is _models.cpu_has_bf16()  # memoised
+
+
+def test_cpu_description_names_the_cpu_and_the_flags_that_matter(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9B14\n"
+                    "flags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n"
+                    "bugs\t\t: amx_bf16\n\nprocessor\t: 1\nmodel name\t: AMD EPYC 9B14\n")
+    assert cpu_description(info) == "AMD EPYC 9B14 (avx2, avx512f, avx512_bf16)"
+    amx = tmp_path / "amx"
+    amx.write_text("model name\t: Intel Xeon\nflags\t\t: avx2 amx_tile amx_bf16\n")
+    assert cpu_description(amx) == "Intel Xeon (avx2, amx_tile, amx_bf16)"
+    bare = tmp_path / "bare"
+    bare.write_text("model name\t: Old CPU\nflags\t\t: fpu sse\n")
+    assert cpu_description(bare) == "Old CPU (no AVX2, AVX-512 or AMX)"
+    missing = cpu_description(tmp_path / "missing")  # no file: a name, no flag
+    assert missing.endswith("(no AVX2, AVX-512 or AMX)") and len(missing) > 25
+    assert set(CPU_FLAGS) >= {"avx512_bf16", "amx_bf16"}
 
 
 def test_auto_resolves_by_device_and_cpu(bf16_cpu):
