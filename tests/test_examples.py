@@ -198,6 +198,23 @@ def test_benchmark_dtype_on_tiny_model(tmp_path, capsys):
     assert all(res["info"][d]["load_hwm"] > 0 for d in res["info"])
 
 
+def test_benchmark_eta_on_tiny_model(tmp_path, capsys, who_and_when_dir):
+    from skafa.testing import make_tiny_llama, make_tiny_tokenizer
+
+    folder = tmp_path / "tiny"
+    make_tiny_llama(max_position_embeddings=4096).save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    _load("benchmark_eta").main([
+        "--model", str(folder), "--data", str(who_and_when_dir),
+        "--read", "last", "--max-prompt-tokens", "2048", "--dtype", "float32",
+        "--workers", "2", "--measured-s", "10"])
+    out = capsys.readouterr().out
+    assert "100 of 100 conversations to extract" in out and "at 512 and" in out
+    lines = [ln for ln in out.splitlines() if "worker(s), " in ln]
+    assert [ln.split(":")[0] for ln in lines] == ["one 512-token rate", "two lengths (skafa)"]
+    assert all("x the measured 10 s" in ln for ln in lines)
+
+
 # ----------------------------------------------------------- docstring examples
 def test_package_doctests_run_with_the_tests(pytestconfig):
     assert "--doctest-modules" in pytestconfig.getini("addopts")

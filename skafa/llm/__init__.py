@@ -23,6 +23,7 @@ from ._cache import (
     shared_memory_cache,
 )
 from ._cost import (
+    calibrate_seconds,
     forward_flops,
     layer_parameters,
     measure_throughput,
@@ -122,6 +123,7 @@ __all__ = [
     "all_sites",
     "banded_sdpa_attention_forward",
     "banded_sliding_window_attention",
+    "calibrate_seconds",
     "check_fits",
     "clear_model_cache",
     "context_length",

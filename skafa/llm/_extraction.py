@@ -1150,8 +1150,10 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
 
         Nothing is extracted and no fitted attribute changes. The time is a
         projection: :func:`skafa.llm.forward_flops` of every prompt that misses
-        the cache, divided by the rate of one timed 512-token pass on this
-        model and device (:func:`skafa.llm.measure_throughput`).
+        the cache, its weight and attention terms priced apart from one timed pass
+        of 512 tokens and one of up to 4,096 on this model and device
+        (:func:`skafa.llm.calibrate_seconds`; attention runs at a lower rate, so
+        one short pass alone would promise too little time for long prompts).
 
         Parameters
         ----------
@@ -1165,11 +1167,12 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         dict
             ``n_conversations``, ``n_cached``, ``n_to_extract``,
             ``n_tokens_to_extract``, ``flops_to_extract``, ``tokens_per_s`` and
-            ``flops_per_s`` (calibration), ``eta_s``, ``workers`` (joblib's count for
+            ``flops_per_s`` (the short calibration pass), ``calibration`` (every
+            timed pass), ``eta_s``, ``workers`` (joblib's count for
             ``n_jobs``; the ETA divides by it) and ``summary`` (one line to print,
             naming the resolved compute dtype).
         """
-        from ._cost import forward_flops, measure_throughput
+        from ._cost import calibrate_seconds, forward_flops
 
         check_is_fitted(self, "sites_")
         X = check_conversations(X, "TurnActivationTransformer")
@@ -1194,21 +1197,24 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
                     for i in todo]
         flops = float(np.sum(forward_flops(self._model, n_tokens))) if todo else 0.0
         workers = max(1, _n_workers(self.n_jobs))
-        rate = measure_throughput(self._model) if calibrate and todo else None
-        eta = None if rate is None else flops / rate["flops_per_s"] / workers
+        cal = calibrate_seconds(self._model, n_tokens) if calibrate and todo else None
+        rate = None if cal is None else cal["passes"][0]
+        eta = None if cal is None else float(np.sum(cal["seconds"])) / workers
         summary = (f"{len(todo)} of {len(X)} conversations to extract "
                    f"({len(X) - len(todo)} cached), {sum(n_tokens):,} prompt tokens, "
                    f"{flops / 1e12:.2f} TFLOP, model in "
                    f"{resolve_dtype(getattr(self, 'dtype_', self.dtype), self.device)}")
         if rate is not None:
-            summary += (f"; calibration {rate['tokens_per_s']:.0f} tokens/s at "
-                        f"{rate['n_tokens']} tokens on {self.device}, {workers} worker(s): "
-                        f"ETA {eta / 60:.1f} min")
+            timed = " and ".join(f"{p['tokens_per_s']:.0f} tokens/s at {p['n_tokens']}"
+                                 for p in cal["passes"])
+            summary += (f"; calibration {timed} tokens on {self.device}, {workers} "
+                        f"worker(s): ETA {eta / 60:.1f} min")
         return {"n_conversations": len(X), "n_cached": len(X) - len(todo),
                 "n_to_extract": len(todo), "n_tokens_to_extract": int(sum(n_tokens)),
                 "flops_to_extract": flops,
                 "tokens_per_s": None if rate is None else rate["tokens_per_s"],
                 "flops_per_s": None if rate is None else rate["flops_per_s"],
+                "calibration": None if cal is None else cal["passes"],
                 "eta_s": eta, "workers": workers, "summary": summary}
 
     def _compute(self, X, todo, keys, values, offsets):
