@@ -904,8 +904,14 @@ def locator_markdown(result):
               + (format_interval(gap, pct=False) if gap else "no gap to close on this cell "
                  "(or a row missing)") + ".", ""]
     lines += ["| row | seconds | × one bare forward pass of the same prompts |", "|---|---|---|"]
+    # rows read from another run's store cost this run only the reading: not a cost
+    elsewhere = {row: (result.get(key) or {}).get("file") for row, key in
+                 (("recommended", "recommended_from"), ("judge", "judge_scores_from"))}
     for k, v in result["times"].items():
-        lines.append(f"| {k} | {v} | {result['cost_vs_bare_forward'][k]} |")
+        if elsewhere.get(k):
+            lines.append(f"| {k} | {v} (read from `{elsewhere[k]}`, not computed here) | — |")
+        else:
+            lines.append(f"| {k} | {v} | {result['cost_vs_bare_forward'][k]} |")
     lines += ["", f"Bare forward pass of the {result['n_prompt_tokens_last']:,} prompt tokens: "
               f"{result['bare_forward_s']} s (calibrated rate). Prompt budget "
               f"{result['prompt_budget']} tokens, the judges' "

@@ -368,6 +368,8 @@ def test_recommended_row_read_from_the_same_cells_section3_store(tmp_path, monke
     assert reused["recommended_from"]["file"] == store.name
     md = (tmp_path / "reused" / "locators_smoke_Algorithm-Generated.md").read_text()
     assert "come from §3's fit store of the same cell" in md
+    # its seconds are the reading, not a cost: no ratio to a forward pass
+    assert f"(read from `{store.name}`, not computed here) | — |" in md
 
     def refused(doc, match):
         bad = tmp_path / "bad.json"
@@ -427,7 +429,9 @@ def test_judge_scores_read_from_another_runs_store_of_the_same_judge(tmp_path, m
     assert reused["judge_scores_from"]["file"] == store.name
     kept = json.loads((out / f"{STEM}.partial-judge-scores.json").read_text())
     assert len(kept["entries"]) == 20  # and are kept in this cell's own store
-    assert "--judge-scores-from" in (out / f"{STEM}.md").read_text()
+    md = (out / f"{STEM}.md").read_text()
+    assert "--judge-scores-from" in md
+    assert "| judge | " in md and "not computed here) | — |" in md
 
     def refused(doc, match):
         bad = tmp_path / "bad.json"
