@@ -59,10 +59,10 @@ from ..featurizers import TurnPositionTransformer, TurnTextTransformer
 from ..llm import (
     PromptTemplate,
     TurnActivationTransformer,
+    calibrate_seconds,
     conversation_content,
     decoder_layout,
     identity_matches,
-    measure_throughput,
     model_identity,
     parse_site_spec,
     plan,
@@ -744,8 +744,10 @@ def _run_locator_benchmark(settings, conversations, subset_label, log):
     gap = (gap_closed(per_conv, groups, n_resamples=settings.n_resamples)
            if {"grafted_judge", "judge", "recommended"} <= set(rows) else None)
     # ---- cost relative to one bare forward pass of the same prompt tokens
-    rate = measure_throughput(model)["tokens_per_s"]
-    bare = n_tokens / rate
+    # priced per prompt, attention apart (one 512-token rate ignores the n^2 term: far
+    # too little time for Hand-Crafted's 32k-token prompts)
+    bare = float(np.sum(calibrate_seconds(model, [r["n_tokens"] for r in shortened])
+                        ["seconds"]))
     result = {
         "model": str(settings.model), "tag": tag, "subset": subset, "n": len(convs),
         "rows": rows, "missing_rows": [r for r in LOCATOR_ROWS if r not in rows],
@@ -753,6 +755,8 @@ def _run_locator_benchmark(settings, conversations, subset_label, log):
         "dtype": settings.dtype, "prompt_budget": budget, "judge_prompt_budget": judge_budget,
         "n_prompt_tokens_last": n_tokens,
         "bare_forward_s": round(bare, 2),
+        "bare_forward_method": ("calibrate_seconds: a 512-token and a longer timed pass, "
+                                "attention priced apart"),
         "cost_vs_bare_forward": {k: round(v / bare, 2) for k, v in times.items()},
         "times": {k: round(v, 1) for k, v in times.items()},
         "total_s": round(time.perf_counter() - t_all, 1),
@@ -913,7 +917,8 @@ def locator_markdown(result):
         else:
             lines.append(f"| {k} | {v} | {result['cost_vs_bare_forward'][k]} |")
     lines += ["", f"Bare forward pass of the {result['n_prompt_tokens_last']:,} prompt tokens: "
-              f"{result['bare_forward_s']} s (calibrated rate). Prompt budget "
+              f"{result['bare_forward_s']} s "
+              f"({result.get('bare_forward_method', 'one 512-token rate')}). Prompt budget "
               f"{result['prompt_budget']} tokens, the judges' "
               f"{result.get('judge_prompt_budget', result['prompt_budget'])} (room for the "
               f"answer tokens). Machine: {result['machine']}; "

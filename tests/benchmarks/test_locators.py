@@ -39,6 +39,7 @@ def test_benchmark_locators_smoke(tmp_path):
     md = (out / "locators_smoke_Algorithm-Generated.md").read_text()
     assert "| locator_probe |" in md and "× one bare forward pass" in md
     assert all(v >= 0 for v in result["cost_vs_bare_forward"].values())
+    assert saved["bare_forward_s"] > 0 and "attention priced apart" in md
     heads = saved["locator_heads"]  # the per-head heatmap: descriptive, every record
     acc = np.asarray(heads["accuracy"])
     assert acc.shape == (len(heads["sites"]), acc.shape[1]) and 0 <= acc.min() <= acc.max() <= 1
