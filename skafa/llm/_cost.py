@@ -162,9 +162,8 @@ def calibrate_seconds(model, n_tokens, *, short=512, long=4096, repeats=2, seed=
     """Projected seconds of one pass per prompt, from timed passes at two lengths.
 
     The rate of a single short pass (:func:`measure_throughput`) prices every FLOP
-    alike, but the ``n^2`` attention term runs at a lower rate than the weights'
-    matrix products (on a CPU, about half at a few thousand tokens), so an ETA
-    from it is too short for long prompts. Here the seconds of a pass are
+    alike, but on a CPU the ``n^2`` attention term runs at a lower rate than the
+    weights' matrix products, so an ETA from it is too short for long prompts. Here the seconds of a pass are
     modelled as ``a x weight FLOPs + b x attention FLOPs``
     (:func:`forward_flops` with ``split=True``), ``a`` and ``b`` solved from one
     timed pass of ``short`` and one of ``long`` tokens (capped at the longest
@@ -178,10 +177,8 @@ def calibrate_seconds(model, n_tokens, *, short=512, long=4096, repeats=2, seed=
     n_tokens : array-like of int
         The prompt lengths to price.
     short, long : int, default=512, 4096
-        Calibration lengths. Checked on this project's two longest extractions
-        (AMD EPYC with AVX512-BF16, bfloat16): SmolLM2 ``echo`` on 100 records
-        projected 20.5 and 21.2 min for 21.1 measured, the 1.5B Qwen ``last`` read
-        44.3 min for 47.4 (one 512-token rate: 14.3-17.0 and 36.7 min).
+        Calibration lengths. How close the projection came to two measured
+        extractions is in docs/benchmarks.md §6 (``examples/benchmark_eta.py``).
     repeats : int, default=2
         Short passes timed; the fastest is kept (the long pass is timed once).
     seed : int, default=0
