@@ -656,6 +656,21 @@ def _n_workers(n_jobs):
     return n
 
 
+def _worker_threads(n_workers):
+    """Torch threads one extraction worker will run with (what its ETA is timed at).
+
+    joblib's loky workers get ``cpu_count() // n_workers`` threads each (its inner
+    thread limit); in this process, or under another backend, this process's count.
+    """
+    import torch
+    from joblib.parallel import get_active_backend
+
+    here = torch.get_num_threads()
+    if n_workers > 1 and type(get_active_backend()[0]).__name__ == "LokyBackend":
+        return max(1, min(here, (os.cpu_count() or 1) // n_workers))
+    return here
+
+
 def _chunks(lengths, batch_size, n_workers):
     """Tasks for the workers: the serial run's batches, or length-sorted slices ("auto")."""
     if batch_size != "auto":
@@ -1153,7 +1168,10 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         the cache, its weight and attention terms priced apart from one timed pass
         of 512 tokens and one of up to 4,096 on this model and device
         (:func:`skafa.llm.calibrate_seconds`; attention runs at a lower rate, so
-        one short pass alone would promise too little time for long prompts).
+        one short pass alone would promise too little time for long prompts),
+        timed with the torch threads one worker will have (joblib's process
+        workers of ``n_jobs`` get ``cpu_count() // n_jobs``) and divided by the
+        number of workers.
 
         Parameters
         ----------
@@ -1197,7 +1215,17 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
                     for i in todo]
         flops = float(np.sum(forward_flops(self._model, n_tokens))) if todo else 0.0
         workers = max(1, _n_workers(self.n_jobs))
-        cal = calibrate_seconds(self._model, n_tokens) if calibrate and todo else None
+        cal = None
+        if calibrate and todo:
+            import torch
+
+            # timed at a worker's threads: loky workers of n_jobs run with fewer
+            here = torch.get_num_threads()
+            torch.set_num_threads(_worker_threads(workers))
+            try:
+                cal = calibrate_seconds(self._model, n_tokens)
+            finally:
+                torch.set_num_threads(here)
         rate = None if cal is None else cal["passes"][0]
         eta = None if cal is None else float(np.sum(cal["seconds"])) / workers
         summary = (f"{len(todo)} of {len(X)} conversations to extract "

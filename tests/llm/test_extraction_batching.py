@@ -172,6 +172,33 @@ def test_estimate_cost_before_extracting(model_dir, tmp_path):
     assert t.estimate_cost(convs, calibrate=False)["n_to_extract"] == 0
 
 
+def test_estimate_cost_times_the_calibration_at_a_workers_threads(model_dir, monkeypatch):
+    """n_jobs loky workers run with cpu_count // n_jobs threads: the ETA is timed so."""
+    from skafa.llm import _cost
+
+    seen = []
+
+    def fake(model, n_tokens, **kw):
+        seen.append(torch.get_num_threads())
+        return {"seconds": np.ones(len(n_tokens)), "per_flop": (1.0, 1.0),
+                "passes": [{"n_tokens": 512, "seconds": 1.0, "tokens_per_s": 512.0,
+                            "flops_per_s": 1.0}]}
+
+    monkeypatch.setattr(_cost, "calibrate_seconds", fake)
+    monkeypatch.setattr(extraction.os, "cpu_count", lambda: 4)
+    convs = make_conversations(4, seed=5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for n_jobs, threads, workers in ((1, 3, 1), (2, 2, 2), (4, 1, 4)):
+            est = TurnActivationTransformer(model_dir, n_jobs=n_jobs).fit(convs).estimate_cost(
+                convs)
+            assert seen[-1] == threads and torch.get_num_threads() == 3  # restored
+            assert est["workers"] == workers and est["eta_s"] == pytest.approx(4 / workers)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("read", ["recap", "echo"])
 def test_estimate_cost_counts_the_tokens_of_the_read(model_dir, read):
     """recap and echo prompts are longer than the transcript: the estimate counts them."""
