@@ -93,13 +93,17 @@ def test_benchmark_cli_help(flag, capsys):
     assert "--max-prompt-tokens" in capsys.readouterr().out
 
 
-def test_preregistered_benchmark_smoke(tmp_path):
+def test_preregistered_benchmark_smoke(tmp_path, capsys):
     """The pre-registered comparison runs every configuration, the auto rule and mi4afa."""
     pytest.importorskip("ag2.extensions.mi4afa", reason="ag2 (the test extra) not installed")
     bench = _load()
     result = bench.main(["--smoke", "--preregistered", "--reads", "last", "recap",
                          "--peer-n", "1", "--out", str(tmp_path / "out"),
                          "--cache-dir", str(tmp_path / "cache")])
+    out = capsys.readouterr().out  # each read's plan and ETA before its extraction
+    for read in ("last", "recap"):
+        assert f"extraction plan, read={read}: 40 of 40 conversations to extract" in out
+        assert "ETA" in out.split(f"extraction plan, read={read}:")[1].split("\n")[0]
     names = preregistered_names(("last", "recap"))
     assert len(names) == 18 and names[0] == "last: logistic/single/acts"
     summary = result["summary"]
