@@ -658,8 +658,7 @@ def _run_preregistered(settings, convs, y, groups, model, tokenizer, ctx, budget
         """The read's turn vectors, extracted (or read from the cache) on first use."""
         if read not in feats:
             plan_ = extractors[read].estimate_cost(convs)  # the ETA first: hours on 1.5B
-            if plan_["n_to_extract"]:
-                _say(log, f"extraction plan, read={read}: {plan_['summary']}")
+            _say(log, f"extraction plan, read={read}: {plan_['summary']}")
             with _timed(times, f"extraction {read}"):
                 feats[read] = extractors[read].transform(convs)
         return feats[read]

@@ -102,8 +102,10 @@ def test_preregistered_benchmark_smoke(tmp_path, capsys):
                          "--cache-dir", str(tmp_path / "cache")])
     out = capsys.readouterr().out  # each read's plan and ETA before its extraction
     for read in ("last", "recap"):
-        assert f"extraction plan, read={read}: 40 of 40 conversations to extract" in out
-        assert "ETA" in out.split(f"extraction plan, read={read}:")[1].split("\n")[0]
+        line = out.split(f"extraction plan, read={read}: ")[1].split("\n")[0]
+        assert " of 40 conversations to extract" in line
+        # an ETA unless another test of this process left them in the memory cache
+        assert "ETA" in line or line.startswith("0 of 40"), line
     names = preregistered_names(("last", "recap"))
     assert len(names) == 18 and names[0] == "last: logistic/single/acts"
     summary = result["summary"]
