@@ -663,11 +663,13 @@ def _worker_threads(n_workers):
     thread limit); in this process, or under another backend, this process's count.
     """
     import torch
+    from joblib import cpu_count
     from joblib.parallel import get_active_backend
 
     here = torch.get_num_threads()
     if n_workers > 1 and type(get_active_backend()[0]).__name__ == "LokyBackend":
-        return max(1, min(here, (os.cpu_count() or 1) // n_workers))
+        # joblib's own count (CPU affinity and cgroup limits), as its worker limit uses
+        return max(1, min(here, cpu_count() // n_workers))
     return here
 
 

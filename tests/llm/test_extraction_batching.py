@@ -185,7 +185,9 @@ def test_estimate_cost_times_the_calibration_at_a_workers_threads(model_dir, mon
                             "flops_per_s": 1.0}]}
 
     monkeypatch.setattr(_cost, "calibrate_seconds", fake)
-    monkeypatch.setattr(extraction.os, "cpu_count", lambda: 4)
+    import joblib
+
+    monkeypatch.setattr(joblib, "cpu_count", lambda *a, **k: 4)
     convs = make_conversations(4, seed=5)
     before = torch.get_num_threads()
     torch.set_num_threads(3)
