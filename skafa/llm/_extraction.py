@@ -800,7 +800,9 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         goes, and the parent assembles the results in input order. Workers get
         the same batches as a serial run, so results are bitwise equal to it.
     verbose : int, default=0
-        ``> 0`` shows a progress bar (conversations/s).
+        ``> 0`` shows a progress bar: forward FLOPs done and per second (each
+        prompt weighted by :func:`skafa.llm.forward_flops`, so its ETA holds when
+        prompt lengths differ), with conversations done.
 
     Attributes
     ----------
@@ -1274,7 +1276,16 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         if self.verbose and self.verbose > 0:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(todo), unit="conv", desc="skafa: extracting activations")
+            from ._cost import forward_flops
+
+            # Weighted by each prompt's forward FLOPs, not one step per conversation:
+            # prompts run longest first, so a per-conversation rate makes the early
+            # ETA far too long (2.5x on the 1.5B echo read, session 23).
+            cost = np.atleast_1d(forward_flops(self._model, [len(ids) for ids in input_ids]))
+            done = [0]
+            bar = tqdm(total=float(cost.sum()), unit="FLOP", unit_scale=True,
+                       desc="skafa: extracting activations",
+                       postfix=f"0/{len(todo)} conversations")
 
         pad = getattr(self._tokenizer, "pad_token_id", None)
         job = {
@@ -1295,7 +1306,9 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
             i = todo[j]
             values[offsets[i]:offsets[i + 1]] = acts
             if bar is not None:
-                bar.update(1)
+                done[0] += 1
+                bar.set_postfix_str(f"{done[0]}/{len(todo)} conversations", refresh=False)
+                bar.update(float(cost[j]))
 
         n_workers = _n_workers(self.n_jobs)
         try:

@@ -598,7 +598,7 @@ def test_verbose_progress_bar(capsys, registered):
     convs = make_conversations(3)
     TurnActivationTransformer(name, verbose=1, memory_cache=False).fit_transform(convs)
     err = capsys.readouterr().err
-    assert "conv/s" in err and "3/3" in err
+    assert "FLOP/s" in err and "3/3 conversations" in err and "100%" in err
 
 
 # --------------------------------------------------------------------- integration
