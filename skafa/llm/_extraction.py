@@ -1280,7 +1280,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
 
             # Weighted by each prompt's forward FLOPs, not one step per conversation:
             # prompts run longest first, so a per-conversation rate makes the early
-            # ETA far too long (2.5x on the 1.5B echo read, session 23).
+            # ETA far too long (2.5x on a 1.5B echo read).
             cost = np.atleast_1d(forward_flops(self._model, [len(ids) for ids in input_ids]))
             done = [0]
             bar = tqdm(total=float(cost.sum()), unit="FLOP", unit_scale=True,
