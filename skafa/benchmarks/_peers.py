@@ -23,6 +23,7 @@ from ..llm import (
     banded_sliding_window_attention,
     context_length,
     conversation_content,
+    forward_flops,
     has_sliding_window,
     identity_matches,
 )
@@ -33,7 +34,7 @@ from ..model_selection import (
     read_result,
     result_dtype,
 )
-from ..utils.progress import Timer
+from ..utils.progress import Timer, WorkBar
 
 __all__ = ["JUDGE", "PLAIN_CHAT_TEMPLATE", "attention_note", "dask_backend",
            "earlier_judge_store", "judge_cache_head", "judge_from_result", "judge_predictions",
@@ -112,8 +113,6 @@ def judge_predictions(settings, convs, template, cache_dir, store=None, earlier=
     judge is read next (:func:`earlier_judge_store`, checked; each conversation's
     entry must carry that conversation's digest), never written.
     """
-    from tqdm.auto import tqdm
-
     judge = PromptedJudge(model=settings.model, prompt=template, dtype=settings.dtype)
     judge.fit(convs)
     head = judge_cache_head(judge, settings, template)
@@ -129,8 +128,8 @@ def judge_predictions(settings, convs, template, cache_dir, store=None, earlier=
     if whole is not None and whole.exists():
         scores = [np.array(s) for s in json.loads(whole.read_text())]
         return np.array([int(np.argmax(s)) for s in scores])
-    scores = []
-    for i, (conv, content) in enumerate(zip(tqdm(convs, desc="judge", unit="conv"), contents)):
+    scores, todo = [None] * len(convs), []
+    for i, (conv, content) in enumerate(zip(convs, contents)):
         key = digest({"conv": content})
         rid = conv.record_id if conv.record_id is not None else f"#{i}"
         s = keep.get(rid, key, len(conv.turns)) if keep is not None else None
@@ -140,13 +139,28 @@ def judge_predictions(settings, convs, template, cache_dir, store=None, earlier=
         if s is None and path is not None and path.exists():
             s = np.array(json.loads(path.read_text()))
         if s is None:
-            s = np.asarray(judge.turn_decision_function([conv])[0])
-            if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(s.tolist()))
+            todo.append((i, rid, key, path))
+            continue
         if keep is not None and str(rid) not in keep.entries:
             keep.put(rid, key, s)
-        scores.append(np.asarray(s))
+        scores[i] = np.asarray(s)
+    if todo:
+        # The bar weighs each conversation by its prompt's forward FLOPs (the scoring's
+        # main cost), so its ETA holds although prompt lengths vary 10-fold.
+        lm, tokenizer = judge._load_checked()
+        n_tokens = [judge.prompt_.encode(convs[i], tokenizer,
+                                         chat_template_kwargs=judge.chat_template_kwargs).n_tokens
+                    for i, *_ in todo]
+        with WorkBar(forward_flops(lm, n_tokens), "judge") as bar:
+            for j, (i, rid, key, path) in enumerate(todo):
+                s = np.asarray(judge.turn_decision_function([convs[i]])[0])
+                if path is not None:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(json.dumps(s.tolist()))
+                if keep is not None:
+                    keep.put(rid, key, s)
+                scores[i] = s
+                bar.done(j)
     return np.array([int(np.argmax(s)) for s in scores])
 
 
@@ -245,11 +259,10 @@ def mi4afa_activations(extractor, peer_convs, cache_dir, model_key, dtype="float
     from ag2.extensions.mi4afa.activations import ConversationActivations
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
-    from tqdm.auto import tqdm
 
-    out, seconds, recorded = [], 0.0, 0.0
+    out, seconds, recorded, todo = [None] * len(peer_convs), 0.0, 0.0, []
     folder = Path(cache_dir) / "mi4afa" if cache_dir else None
-    for pc in tqdm(peer_convs, desc="mi4afa: extracting activations", unit="conv"):
+    for i, pc in enumerate(peer_convs):
         spec = {"model": model_key, "sites": [str(s) for s in extractor.sites],
                 "conv": [pc.question, pc.ground_truth,
                          [[t.name, t.content] for t in pc.history]]}
@@ -263,18 +276,30 @@ def mi4afa_activations(extractor, peer_convs, cache_dir, model_key, dtype="float
             values = load_file(str(path))["values"]
             with safe_open(str(path), framework="pt") as f:  # seconds of the first run
                 recorded += float((f.metadata() or {}).get("seconds", "nan"))
-            out.append(ConversationActivations(pc, tuple(extractor.sites), values))
-            continue
-        with Timer("mi4afa", None) as t:
-            with banded_sliding_window_attention(extractor.model):  # as skafa's own passes
-                acts = extractor.extract(pc)
-        seconds += t.elapsed
-        recorded += t.elapsed
-        values = acts.values.to(torch.float32).contiguous()
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            save_file({"values": values}, str(path), metadata={"seconds": f"{t.elapsed:.3f}"})
-        out.append(ConversationActivations(pc, tuple(extractor.sites), values))
+            out[i] = ConversationActivations(pc, tuple(extractor.sites), values)
+        else:
+            with Timer("mi4afa", None) as t:  # part of the pass's time, as in extract()
+                enc = extractor.encode(pc)
+            todo.append((i, path, enc, t.elapsed))
+    if not todo:
+        return out, seconds, recorded
+    # weighted by each prompt's forward FLOPs (see skafa.utils.progress.WorkBar)
+    cost = forward_flops(extractor.model, [len(enc.input_ids) for _, _, enc, _ in todo])
+    with WorkBar(cost, "mi4afa: extracting activations") as bar:
+        for j, (i, path, enc, encoding_s) in enumerate(todo):
+            pc = peer_convs[i]
+            with Timer("mi4afa", None) as t:
+                with banded_sliding_window_attention(extractor.model):  # as skafa's own passes
+                    acts = extractor.extract_encoded(pc, enc)
+            elapsed = encoding_s + t.elapsed
+            seconds += elapsed
+            recorded += elapsed
+            values = acts.values.to(torch.float32).contiguous()
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                save_file({"values": values}, str(path), metadata={"seconds": f"{elapsed:.3f}"})
+            out[i] = ConversationActivations(pc, tuple(extractor.sites), values)
+            bar.done(j)
     return out, seconds, recorded
 
 

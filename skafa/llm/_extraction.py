@@ -1274,18 +1274,11 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         sites = self.sites_
         bar = None
         if self.verbose and self.verbose > 0:
-            from tqdm.auto import tqdm
-
+            from ..utils.progress import WorkBar
             from ._cost import forward_flops
 
-            # Weighted by each prompt's forward FLOPs, not one step per conversation:
-            # prompts run longest first, so a per-conversation rate makes the early
-            # ETA far too long (2.5x on a 1.5B echo read).
-            cost = np.atleast_1d(forward_flops(self._model, [len(ids) for ids in input_ids]))
-            done = [0]
-            bar = tqdm(total=float(cost.sum()), unit="FLOP", unit_scale=True,
-                       desc="skafa: extracting activations",
-                       postfix=f"0/{len(todo)} conversations")
+            bar = WorkBar(forward_flops(self._model, [len(ids) for ids in input_ids]),
+                          "skafa: extracting activations")
 
         pad = getattr(self._tokenizer, "pad_token_id", None)
         job = {
@@ -1306,9 +1299,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
             i = todo[j]
             values[offsets[i]:offsets[i + 1]] = acts
             if bar is not None:
-                done[0] += 1
-                bar.set_postfix_str(f"{done[0]}/{len(todo)} conversations", refresh=False)
-                bar.update(float(cost[j]))
+                bar.done(j)
 
         n_workers = _n_workers(self.n_jobs)
         try:

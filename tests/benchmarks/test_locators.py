@@ -131,7 +131,8 @@ def test_resume_after_an_interruption_gives_the_uninterrupted_result(tmp_path, m
             bench.main(args + ["--out", str(out), "--resume"])
 
 
-def test_an_interrupted_judge_goes_on_conversation_by_conversation(tmp_path, monkeypatch):
+def test_an_interrupted_judge_goes_on_conversation_by_conversation(tmp_path, monkeypatch,
+                                                                    capsys):
     from skafa.baselines import PromptedJudge
 
     bench = _load("benchmark_locators")
@@ -153,8 +154,11 @@ def test_an_interrupted_judge_goes_on_conversation_by_conversation(tmp_path, mon
     kept = json.loads((out / f"{STEM}.partial-judge-scores.json").read_text())
     assert len(kept["entries"]) == 5
     calls.clear()
+    capsys.readouterr()
     resumed = bench.main(args)
     assert sum(calls) == 20 - 5  # only the conversations not scored before
+    # its bar counts the 15 scored now, weighted by FLOPs
+    assert "15/15 conversations" in capsys.readouterr().err
     assert resumed["predictions"] == whole["predictions"]
 
 

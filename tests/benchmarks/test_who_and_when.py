@@ -209,9 +209,10 @@ def test_mi4afa_runs_on_a_tokenizer_without_chat_template():
         assert len(enc.turn_positions) == len(conv)
 
 
-def test_mi4afa_activations_float32_and_keyed_by_dtype(tmp_path):
+def test_mi4afa_activations_float32_and_keyed_by_dtype(tmp_path, capsys):
     """A bfloat16 model's mi4afa activations: float32 whether extracted or read back,
-    and cached under a key of their own (never a float32 run's entries)."""
+    and cached under a key of their own (never a float32 run's entries). A FLOP-weighted
+    bar shows the passes that run; a warm cache runs none and shows none."""
     pytest.importorskip("ag2.extensions.mi4afa", reason="ag2 (the test extra) not installed")
     import torch
 
@@ -225,8 +226,12 @@ def test_mi4afa_activations_float32_and_keyed_by_dtype(tmp_path):
     for dtype in ("float32", "bfloat16"):
         ext, peer_convs, _ = mi4afa_setup(model.to(getattr(torch, dtype)),
                                                 make_tiny_tokenizer(), convs, template, [0], 2)
+        capsys.readouterr()
         cold, _, _ = mi4afa_activations(ext, peer_convs, tmp_path, "m", dtype=dtype)
+        err = capsys.readouterr().err
+        assert "FLOP" in err and "2/2 conversations" in err
         warm, _, _ = mi4afa_activations(ext, peer_convs, tmp_path, "m", dtype=dtype)
+        assert "mi4afa" not in capsys.readouterr().err
         for a, b in zip(cold, warm):
             assert a.values.dtype == b.values.dtype == torch.float32
             assert torch.equal(a.values, b.values)
