@@ -339,7 +339,7 @@ def _warn_if_not_recommended(given, recommended):
             f"FailureAttributor: the extractor passed in has {detail}, so this is "
             "not the recommended configuration although the recommended selector is "
             "used. To change only the prompt, cache, dtype or device, build both "
-            "pieces with FailureAttributor(*make_configuration(RECOMMENDED, model, "
+            "pieces with FailureAttributor(*make_configuration(model=model, "
             "prompt=..., cache_dir=...)).",
             UserWarning, stacklevel=4,
         )
@@ -372,7 +372,10 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
         configuration, :data:`skafa.configurations.RECOMMENDED` (the one the
         pre-registered comparison's rule picked; today
         ``TurnActivationTransformer(extractor, read="echo", sites="stride:3")``,
-        see :func:`skafa.configurations.make_configuration`). Its default
+        see :func:`skafa.configurations.make_configuration`), or the reader's own
+        when the rule gave it one
+        (:func:`skafa.configurations.recommended_configuration`:
+        ``"qwen2.5-coder-1.5b"`` gets ``echo: logistic/top3/acts``). Its default
         ``prompt`` refuses conversations that do not fit the model's context
         (with ``read="echo"`` the transcript is given twice); pass an
         extractor with a shortening ``prompt`` to shorten them visibly. Or any
@@ -382,7 +385,7 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
         :class:`~skafa.TurnFeatureUnion` with position features).
         **To change one knob and keep the recommended configuration** (prompt
         budget, dtype, cache, device), build both pieces with
-        ``FailureAttributor(*make_configuration(RECOMMENDED, model, prompt=...,
+        ``FailureAttributor(*make_configuration(model=model, prompt=...,
         cache_dir=...))``; an extractor passed with ``selector=None`` whose
         ``read`` or ``sites`` differ from the recommended ones gets a warning.
     selector : estimator, default=None
@@ -390,7 +393,7 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
         groups=)``, ``predict``, ``turn_decision_function`` and
         ``turn_predict_proba`` on TurnFeatures (a ``SiteSelector``, a probe, a
         ``SiteEnsemble``). ``None`` means the recommended configuration's
-        selector (today ``SiteSelector(GroupedSoftmaxClassifier(),
+        selector for the extractor's model (for most readers ``SiteSelector(GroupedSoftmaxClassifier(),
         cv=GroupKFold(5), n_sites=3, param_grid={"C": [0.01, 0.1, 1.0]})``: C
         and the three sites averaged chosen jointly on the training data).
 
@@ -455,10 +458,14 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
 
     # ------------------------------------------------------------------ build
     def _make_pipeline(self):
-        from .configurations import RECOMMENDED, make_configuration
+        from .configurations import make_configuration
 
-        model = self.extractor if isinstance(self.extractor, str) else "smollm2"
-        extractor, selector = make_configuration(RECOMMENDED, model)
+        # an extractor object's own model picks the recommended selector (a reader may
+        # have a recommendation of its own, skafa.configurations.RECOMMENDED_FOR_READER)
+        model = (self.extractor if isinstance(self.extractor, str)
+                 else getattr(self.extractor, "model", None))
+        model = model if isinstance(model, str) else "smollm2"
+        extractor, selector = make_configuration(None, model)
         if not isinstance(self.extractor, str):
             if self.selector is None:
                 _warn_if_not_recommended(self.extractor, extractor)

@@ -122,7 +122,8 @@ def _add_model_options(p):
     p.add_argument("--configuration", default=None, metavar="NAME",
                    help="build the probe of a pre-registered configuration "
                         "(skafa.configurations), e.g. 'echo: softmax/top3/acts', or "
-                        "'recommended' for skafa.configurations.RECOMMENDED; it fixes the "
+                        "'recommended' for the model's recommended one "
+                        "(skafa.configurations.recommended_configuration); it fixes the "
                         "read, the sites, the probe and its C grid, so it excludes --sites, "
                         "--read and --C (default: 'recommended' when none of those three is "
                         "given, else the logistic probe they describe)")
@@ -458,14 +459,15 @@ def _configured_attributor(args, prompt, verbose):
     from sklearn.model_selection import GroupKFold
 
     from .attributor import FailureAttributor
-    from .configurations import RECOMMENDED, make_configuration
+    from .configurations import make_configuration
 
     clash = [flag for flag, value in (("--sites", args.sites), ("--read", args.read),
                                       ("--C", args.C)) if value is not None]
     if clash:
         raise _UsageError(f"--configuration fixes the read, the sites and the probe; drop "
                           f"{', '.join(clash)}.")
-    name = RECOMMENDED if args.configuration == "recommended" else args.configuration
+    # "recommended": the model's own (skafa.configurations.recommended_configuration)
+    name = None if args.configuration == "recommended" else args.configuration
     try:
         extractor, selector = make_configuration(
             name, args.model, random_state=args.seed, prompt=prompt,

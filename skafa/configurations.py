@@ -22,6 +22,9 @@ benchmark script, ``make_stacker``).
 :data:`RECOMMENDED` is the configuration rule step 2 of the pre-registration
 picked (the one chosen most often by the nested comparison's inner CV over the
 completed Algorithm-Generated cells); it is what ``FailureAttributor()`` builds.
+A reader the 1.5B rematch's rule gave a configuration of its own
+(:data:`RECOMMENDED_FOR_READER`) gets that one:
+:func:`recommended_configuration` says which.
 """
 
 # Authors: The skafa developers
@@ -36,9 +39,11 @@ __all__ = [
     "PREREGISTERED_PROBES",
     "PREREGISTERED_SITES",
     "RECOMMENDED",
+    "RECOMMENDED_FOR_READER",
     "configuration_names",
     "parse_configuration",
     "make_configuration",
+    "recommended_configuration",
 ]
 
 #: Reads, in the pre-registered order (cost order; it breaks ties).
@@ -71,6 +76,40 @@ STACK_ID = "stack(probe, position, TF-IDF)"
 #: Qwen2.5-Coder-0.5B-Instruct, Gemma-3-270M): ``echo: softmax/top3/acts`` was chosen
 #: in 10 of the 45 outer fits (next: 4); ``examples/apply_prereg_rule.py`` reproduces it.
 RECOMMENDED = "echo: softmax/top3/acts"
+
+#: Readers with a recommendation of their own: rule step 2 of the 1.5B rematch
+#: (docs/benchmarks.md, section 7), applied on 2026-12-07 to the Qwen2.5-Coder-1.5B
+#: Algorithm-Generated cell: its headline beat position-only by +9.3 points, paired
+#: 95% CI [+1.7, +17.0], and ``echo: logistic/top3/acts`` was chosen in 4 of its 15
+#: outer fits (next: 3). ``examples/apply_prereg_rule.py --reader-rule`` reproduces it.
+#: Keys are the short model names of :func:`skafa.llm.load_model`.
+RECOMMENDED_FOR_READER = {"qwen2.5-coder-1.5b": "echo: logistic/top3/acts"}
+
+
+def recommended_configuration(model="smollm2"):
+    """The recommended configuration's name for reading with ``model``.
+
+    Parameters
+    ----------
+    model : str, default="smollm2"
+        A short model name (``"qwen2.5-coder-1.5b"``) or anything else
+        :func:`skafa.llm.load_model` takes.
+
+    Returns
+    -------
+    name : str
+        :data:`RECOMMENDED_FOR_READER` of the short name when the pre-registered
+        rule gave that reader one, else :data:`RECOMMENDED` (paths and other
+        names included: the rule named a reader, not a file).
+
+    Examples
+    --------
+    >>> recommended_configuration("smollm2")
+    'echo: softmax/top3/acts'
+    >>> recommended_configuration("qwen2.5-coder-1.5b")
+    'echo: logistic/top3/acts'
+    """
+    return RECOMMENDED_FOR_READER.get(model, RECOMMENDED) if isinstance(model, str) else RECOMMENDED
 
 
 def configuration_names(reads=PREREGISTERED_READS):
@@ -127,14 +166,15 @@ def parse_configuration(name):
     return (read, *probes[pid])
 
 
-def make_configuration(name=RECOMMENDED, model="smollm2", *, random_state=None,
+def make_configuration(name=None, model="smollm2", *, random_state=None,
                        **extractor_params):
     """Build the ``(extractor, selector)`` pair of a pre-registered configuration.
 
     Parameters
     ----------
-    name : str, default=RECOMMENDED
-        One of configurations 1-8 (:func:`configuration_names`).
+    name : str, default=None
+        One of configurations 1-8 (:func:`configuration_names`); None: the
+        recommended one for ``model`` (:func:`recommended_configuration`).
     model : str, default="smollm2"
         Model name or path for the :class:`~skafa.TurnActivationTransformer`.
     random_state : int or None, default=None
@@ -162,6 +202,8 @@ def make_configuration(name=RECOMMENDED, model="smollm2", *, random_state=None,
     from .model_selection import SiteSelector
     from .probes import GroupedArgmaxLogisticClassifier, GroupedSoftmaxClassifier
 
+    if name is None:
+        name = recommended_configuration(model)
     read, kind, Cs, n_sites, features = parse_configuration(name)
     fixed = sorted({"read", "sites"} & set(extractor_params))
     if fixed:

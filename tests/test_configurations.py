@@ -16,9 +16,11 @@ from skafa.attributor import FailureAttributor
 from skafa.configurations import (
     PREREGISTERED_PROBES,
     RECOMMENDED,
+    RECOMMENDED_FOR_READER,
     configuration_names,
     make_configuration,
     parse_configuration,
+    recommended_configuration,
 )
 
 
@@ -103,3 +105,37 @@ def test_recommended_configuration_fits_on_a_tiny_model():
     assert sel.best_params_["C"] in parse_configuration(RECOMMENDED)[2]
     assert len(sel.cv_results_["params"]) == 3 * len(parse_configuration(RECOMMENDED)[2])
     assert np.asarray(fa.predict(convs)).shape == (30,)
+
+
+def test_a_reader_with_its_own_recommendation_gets_it():
+    """Section 7's rule gave the 1.5B reader its own configuration: make_configuration,
+    FailureAttributor and the CLI's 'recommended' build it for that reader only."""
+    from skafa.cli import _make_attributor, build_parser
+
+    assert RECOMMENDED_FOR_READER["qwen2.5-coder-1.5b"] != RECOMMENDED
+    for model, want in (("qwen2.5-coder-1.5b", RECOMMENDED_FOR_READER["qwen2.5-coder-1.5b"]),
+                        ("smollm2", RECOMMENDED), ("/models/qwen2.5-coder-1.5b.gguf",
+                                                   RECOMMENDED)):
+        assert recommended_configuration(model) == want
+        extractor, selector = make_configuration(want, model)
+        assert repr(make_configuration(model=model)) == repr((extractor, selector))
+        pipe = FailureAttributor(model)._make_pipeline()
+        assert repr(pipe.named_steps["acts"]) == repr(extractor)
+        assert repr(pipe.named_steps["select"]) == repr(selector)
+        # an extractor object of that model keeps that model's recommended selector
+        pipe = FailureAttributor(clone_of(extractor))._make_pipeline()
+        assert repr(pipe.named_steps["select"]) == repr(selector)
+        args = build_parser().parse_args(["fit", "d.json", "--model", model, "--out", "p",
+                                          "--configuration", "recommended", "-q"])
+        cli = _make_attributor(args, verbose=0)
+        assert cli.extractor.get_params()["model"] == model
+        assert type(cli.selector.estimator) is type(selector.estimator)   # --seed set
+        assert (cli.selector.n_sites, cli.selector.param_grid) == (selector.n_sites,
+                                                                   selector.param_grid)
+    assert recommended_configuration(None) == RECOMMENDED
+
+
+def clone_of(estimator):
+    from sklearn.base import clone
+
+    return clone(estimator)

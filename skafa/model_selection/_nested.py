@@ -26,7 +26,7 @@ from ._selection import SiteEnsemble, SiteSelector
 
 __all__ = ["AGENT_MATCH_RULES", "format_interval", "grid_search_C", "make_probe",
            "method_table", "outer_splits", "paired_differences", "preregistered_rule",
-           "select_single_and_top", "summarize_predictions", "tally_rule"]
+           "reader_rule", "select_single_and_top", "summarize_predictions", "tally_rule"]
 
 #: Agent-matching rules reported per method (see :func:`skafa.metrics.agent_accuracy`).
 AGENT_MATCH_RULES = ("exact", "normalized", "substring")
@@ -319,3 +319,57 @@ def tally_rule(results, *, subset="Algorithm-Generated"):
             tally[name] = tally.get(name, 0) + int(count)
     winner = max(tally, key=lambda n: (tally[n], -order.index(n))) if tally else None
     return {"winner": winner, "tally": tally, "complete": complete, "left_out": left_out}
+
+
+#: The headline's name in pre-registered result files, and the baseline §7 rule step 2 asks it to beat.
+_AUTO, _POSITION = "skafa (pre-registered auto)", "position-only"
+
+
+def reader_rule(result):
+    """Rule step 2 of the 1.5B rematch (``docs/benchmarks.md`` §7), on one cell.
+
+    The configuration chosen most often by step 1 over the cell's outer fits (ties:
+    the pre-registered order) becomes the recommended configuration *for that
+    reader* only if the headline beats position-only with a paired 95% CI above 0.
+    Unlike :func:`tally_rule` (§3), the dtype the file records is the plan's
+    (``dtype="auto"``), so it is not a deviation; any other deviation that can
+    change step 1's choices is refused.
+
+    Parameters
+    ----------
+    result : dict
+        A pre-registered Algorithm-Generated result file, read with
+        :func:`~skafa.model_selection.read_result`.
+
+    Returns
+    -------
+    out : dict
+        ``{"winner", "most_chosen", "tally", "paired"}``: ``most_chosen`` the
+        configuration chosen most often, ``paired`` the headline minus
+        position-only (estimate and CI), ``winner`` = ``most_chosen`` when the
+        CI is above 0, else None.
+
+    Raises
+    ------
+    ValueError
+        Not a pre-registered Algorithm-Generated result, another deviation, or no
+        paired difference against position-only.
+    """
+    if not result.get("preregistered"):
+        raise ValueError("not a pre-registered result.")
+    cell = f"{result.get('tag')} / {result.get('subset')}"
+    if result.get("subset") != "Algorithm-Generated":
+        raise ValueError(f"{cell}: rule step 2 of section 7 reads the Algorithm-Generated cell.")
+    planned = f"model in {result.get('dtype')} instead of float32"
+    other = [d for d in result.get("choice_deviations", result.get("deviations", ["unknown"]))
+             if not str(d).startswith(planned)]
+    if other:
+        raise ValueError(f"{cell}: deviations that can change the choices: {'; '.join(other)}.")
+    paired = (result.get("paired") or {}).get(f"{_AUTO} - {_POSITION}")
+    if not paired or not {"estimate", "low", "high"} <= set(paired):
+        raise ValueError(f"{cell}: no paired difference {_AUTO} - {_POSITION}.")
+    tally = {str(k): int(v) for k, v in result["auto_choices"].items()}
+    order = list(result["order"])
+    most = max(tally, key=lambda n: (tally[n], -order.index(n)))
+    return {"winner": most if float(paired["low"]) > 0 else None, "most_chosen": most,
+            "tally": tally, "paired": dict(paired)}

@@ -365,6 +365,22 @@ def test_apply_prereg_rule_on_the_committed_result_gives_the_default():
     assert out["winner"] == RECOMMENDED
 
 
+def test_apply_prereg_rule_reader_rule_on_the_committed_cells(capsys):
+    """--reader-rule: the 1.5B cell's own recommendation, none for the 0.5B cell (its
+    headline's CI against position-only includes 0), and one file only."""
+    from skafa.configurations import RECOMMENDED_FOR_READER
+
+    rule = _load_rule()
+    folder = Path(__file__).resolve().parents[2] / "docs" / "results"
+    out = rule.main(["--reader-rule", str(folder / "prereg_qwen2.5-coder-1.5b_Algorithm-Generated.json")])
+    assert out["winner"] == RECOMMENDED_FOR_READER["qwen2.5-coder-1.5b"]
+    assert "recommended for this reader" in capsys.readouterr().out
+    out = rule.main(["--reader-rule", str(folder / "prereg_qwen2.5-coder-0.5b_Algorithm-Generated.json")])
+    assert out["winner"] is None and "no recommendation" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        rule.main(["--reader-rule", "a.json", "b.json"])
+
+
 def test_the_default_follows_the_rule_on_every_committed_cell():
     """Rule step 2 over all committed Algorithm-Generated cells still picks the default.
 

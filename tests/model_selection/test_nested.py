@@ -21,6 +21,7 @@ from skafa.model_selection import (
     paired_differences,
     preregistered_rule,
     read_result,
+    reader_rule,
     result_dtype,
     select_single_and_top,
     summarize_predictions,
@@ -369,3 +370,45 @@ def test_rule_on_the_committed_cells_picks_the_documented_default():
     out = tally_rule([(p, read_result(p)) for p in paths])
     assert out["winner"] == RECOMMENDED
     assert len(out["complete"]) + len(out["left_out"]) == len(paths)
+
+
+def test_reader_rule_recommends_only_when_the_headline_beats_position():
+    """Section 7's rule step 2: most chosen configuration, only with a paired CI above 0."""
+    order = ["last: a", "last: b", "echo: a"]
+
+    def cell(low, choices, deviations=("model in bfloat16 instead of float32 (...)",),
+             dtype="bfloat16", subset="Algorithm-Generated"):
+        return {"preregistered": True, "tag": "m", "subset": subset, "order": order,
+                "dtype": dtype, "auto_choices": choices, "choice_deviations": list(deviations),
+                "paired": {"skafa (pre-registered auto) - position-only":
+                           {"estimate": low + 0.05, "low": low, "high": low + 0.1}}}
+
+    out = reader_rule(cell(0.01, {"last: b": 6, "echo: a": 9}))
+    assert out["winner"] == out["most_chosen"] == "echo: a" and out["tally"]["last: b"] == 6
+    assert reader_rule(cell(0.01, {"last: b": 5, "echo: a": 5}))["winner"] == "last: b"  # order
+    no = reader_rule(cell(-0.01, {"echo: a": 15}))
+    assert no["winner"] is None and no["most_chosen"] == "echo: a"
+    assert reader_rule(cell(0.02, {"last: a": 15}, deviations=(), dtype="float32"))["winner"]
+    with pytest.raises(ValueError, match="reads echo not run"):
+        reader_rule(cell(0.01, {"last: a": 15}, deviations=("reads echo not run",)))
+    with pytest.raises(ValueError, match="deviations"):   # another dtype than the file's own
+        reader_rule(cell(0.01, {"last: a": 15}, dtype="float16"))
+    with pytest.raises(ValueError, match="Algorithm-Generated"):
+        reader_rule(cell(0.01, {"last: a": 15}, subset="Hand-Crafted"))
+    bad = cell(0.01, {"last: a": 15})
+    bad["paired"] = {}
+    with pytest.raises(ValueError, match="no paired difference"):
+        reader_rule(bad)
+
+
+def test_reader_rule_on_the_committed_cells_gives_the_documented_reader_defaults():
+    """RECOMMENDED_FOR_READER holds what section 7's rule gives on the committed files,
+    and only for readers whose cell beat position-only."""
+    from skafa.configurations import RECOMMENDED_FOR_READER
+
+    got = {}
+    for path in sorted(RESULTS.glob("prereg_*_Algorithm-Generated.json")):
+        result = read_result(path)
+        if result.get("tag") in RECOMMENDED_FOR_READER:
+            got[result["tag"]] = reader_rule(result)["winner"]
+    assert got == RECOMMENDED_FOR_READER
