@@ -104,7 +104,7 @@ def recommended_configuration(model="smollm2"):
 
     Examples
     --------
-    >>> recommended_configuration("smollm2")
+    >>> recommended_configuration()   # the embedded default reader
     'echo: softmax/top3/acts'
     >>> recommended_configuration("qwen2.5-coder-1.5b")
     'echo: logistic/top3/acts'
