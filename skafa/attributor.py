@@ -393,9 +393,10 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
         groups=)``, ``predict``, ``turn_decision_function`` and
         ``turn_predict_proba`` on TurnFeatures (a ``SiteSelector``, a probe, a
         ``SiteEnsemble``). ``None`` means the recommended configuration's
-        selector for the extractor's model (for most readers ``SiteSelector(GroupedSoftmaxClassifier(),
-        cv=GroupKFold(5), n_sites=3, param_grid={"C": [0.01, 0.1, 1.0]})``: C
-        and the three sites averaged chosen jointly on the training data).
+        selector for the extractor's model (for most readers
+        ``SiteSelector(GroupedSoftmaxClassifier(), cv=GroupKFold(5), n_sites=3,
+        param_grid={"C": [0.01, 0.1, 1.0]})``: C and the three sites averaged
+        chosen jointly on the training data).
 
     Attributes
     ----------

@@ -56,6 +56,7 @@ from ..llm import (
     resolve_dtype,
 )
 from ..model_selection import (
+    PREREGISTERED_HEADLINE,
     FoldResultStore,
     SiteSelector,
     TurnScoreStacker,
@@ -88,7 +89,7 @@ __all__ = ["AUTO", "MI4AFA", "BenchmarkSettings", "plain_markdown", "plot_site_c
            "run_benchmark"]
 
 #: The pre-registered rule's row (rule step 1 applied in every outer fit).
-AUTO = "skafa (pre-registered auto)"
+AUTO = PREREGISTERED_HEADLINE
 #: The reference implementation's row.
 MI4AFA = "mi4afa ProbeAttributor (ag2 1.2.1)"
 _DUMMIES = ("first", "most_frequent", "most_frequent_relative", "uniform")

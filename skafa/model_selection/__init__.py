@@ -8,6 +8,7 @@ resumable result stores and the pre-registered rule.
 
 from ._nested import (
     AGENT_MATCH_RULES,
+    PREREGISTERED_HEADLINE,
     format_interval,
     grid_search_C,
     make_probe,
@@ -43,6 +44,7 @@ from ._stacking import (
 
 __all__ = [
     "AGENT_MATCH_RULES",
+    "PREREGISTERED_HEADLINE",
     "FoldResultStore",
     "JudgeScoreStore",
     "ResultStoreError",

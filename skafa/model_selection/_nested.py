@@ -24,12 +24,15 @@ from ..metrics import agent_accuracy, bootstrap_ci_from_scores, lenient_step_mat
 from ..probes import GroupedArgmaxLogisticClassifier, GroupedSoftmaxClassifier
 from ._selection import SiteEnsemble, SiteSelector
 
-__all__ = ["AGENT_MATCH_RULES", "format_interval", "grid_search_C", "make_probe",
+__all__ = ["AGENT_MATCH_RULES", "PREREGISTERED_HEADLINE", "format_interval", "grid_search_C", "make_probe",
            "method_table", "outer_splits", "paired_differences", "preregistered_rule",
            "reader_rule", "select_single_and_top", "summarize_predictions", "tally_rule"]
 
 #: Agent-matching rules reported per method (see :func:`skafa.metrics.agent_accuracy`).
 AGENT_MATCH_RULES = ("exact", "normalized", "substring")
+
+#: The headline row of pre-registered result files: rule step 1 applied in every outer fit.
+PREREGISTERED_HEADLINE = "skafa (pre-registered auto)"
 
 
 def outer_splits(y, groups, *, n_folds=5, n_repeats=3, shuffle=True):
@@ -321,8 +324,8 @@ def tally_rule(results, *, subset="Algorithm-Generated"):
     return {"winner": winner, "tally": tally, "complete": complete, "left_out": left_out}
 
 
-#: The headline's name in pre-registered result files, and the baseline §7 rule step 2 asks it to beat.
-_AUTO, _POSITION = "skafa (pre-registered auto)", "position-only"
+#: The baseline section 7's rule step 2 asks the headline to beat.
+_POSITION = "position-only"
 
 
 def reader_rule(result):
@@ -365,9 +368,10 @@ def reader_rule(result):
              if not str(d).startswith(planned)]
     if other:
         raise ValueError(f"{cell}: deviations that can change the choices: {'; '.join(other)}.")
-    paired = (result.get("paired") or {}).get(f"{_AUTO} - {_POSITION}")
+    name = f"{PREREGISTERED_HEADLINE} - {_POSITION}"
+    paired = (result.get("paired") or {}).get(name)
     if not paired or not {"estimate", "low", "high"} <= set(paired):
-        raise ValueError(f"{cell}: no paired difference {_AUTO} - {_POSITION}.")
+        raise ValueError(f"{cell}: no paired difference {name}.")
     tally = {str(k): int(v) for k, v in result["auto_choices"].items()}
     order = list(result["order"])
     most = max(tally, key=lambda n: (tally[n], -order.index(n)))
