@@ -26,6 +26,7 @@ from ..llm import (
     forward_flops,
     has_sliding_window,
     identity_matches,
+    load_model,
 )
 from ..model_selection import (
     JudgeScoreStore,
@@ -147,7 +148,7 @@ def judge_predictions(settings, convs, template, cache_dir, store=None, earlier=
     if todo:
         # The bar weighs each conversation by its prompt's forward FLOPs (the scoring's
         # main cost), so its ETA holds although prompt lengths vary 10-fold.
-        lm, tokenizer = judge._load_checked()
+        lm, tokenizer = load_model(judge.model, device=judge.device, dtype=judge.dtype_)
         n_tokens = [judge.prompt_.encode(convs[i], tokenizer,
                                          chat_template_kwargs=judge.chat_template_kwargs).n_tokens
                     for i, *_ in todo]

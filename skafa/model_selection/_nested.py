@@ -24,8 +24,8 @@ from ..metrics import agent_accuracy, bootstrap_ci_from_scores, lenient_step_mat
 from ..probes import GroupedArgmaxLogisticClassifier, GroupedSoftmaxClassifier
 from ._selection import SiteEnsemble, SiteSelector
 
-__all__ = ["AGENT_MATCH_RULES", "PREREGISTERED_HEADLINE", "format_interval", "grid_search_C", "make_probe",
-           "method_table", "outer_splits", "paired_differences", "preregistered_rule",
+__all__ = ["AGENT_MATCH_RULES", "PREREGISTERED_HEADLINE", "format_interval", "grid_search_C",
+           "make_probe", "method_table", "outer_splits", "paired_differences", "preregistered_rule",
            "reader_rule", "select_single_and_top", "summarize_predictions", "tally_rule"]
 
 #: Agent-matching rules reported per method (see :func:`skafa.metrics.agent_accuracy`).
@@ -320,8 +320,17 @@ def tally_rule(results, *, subset="Algorithm-Generated"):
         complete.append(cell)
         for name, count in result["auto_choices"].items():
             tally[name] = tally.get(name, 0) + int(count)
-    winner = max(tally, key=lambda n: (tally[n], -order.index(n))) if tally else None
+    winner = _most_chosen(tally, order, "the complete cells") if tally else None
     return {"winner": winner, "tally": tally, "complete": complete, "left_out": left_out}
+
+
+def _most_chosen(tally, order, where):
+    """Rule step 2's count: the most chosen configuration, ties to the pre-registered order."""
+    unknown = sorted(set(tally) - set(order or ()))
+    if unknown or not tally:
+        raise ValueError(f"{where}: chosen configurations {unknown or 'none'} not in the "
+                         "file's configuration order.")
+    return max(tally, key=lambda n: (tally[n], -order.index(n)))
 
 
 #: The baseline section 7's rule step 2 asks the headline to beat.
@@ -372,8 +381,10 @@ def reader_rule(result):
     paired = (result.get("paired") or {}).get(name)
     if not paired or not {"estimate", "low", "high"} <= set(paired):
         raise ValueError(f"{cell}: no paired difference {name}.")
-    tally = {str(k): int(v) for k, v in result["auto_choices"].items()}
-    order = list(result["order"])
-    most = max(tally, key=lambda n: (tally[n], -order.index(n)))
+    choices, order = result.get("auto_choices"), result.get("order")
+    if not isinstance(choices, dict) or not isinstance(order, list):
+        raise ValueError(f"{cell}: no auto_choices (a mapping) and order (a list).")
+    tally = {str(k): int(v) for k, v in choices.items()}
+    most = _most_chosen(tally, order, cell)
     return {"winner": most if float(paired["low"]) > 0 else None, "most_chosen": most,
             "tally": tally, "paired": dict(paired)}

@@ -399,6 +399,10 @@ def test_reader_rule_recommends_only_when_the_headline_beats_position():
     bad["paired"] = {}
     with pytest.raises(ValueError, match="no paired difference"):
         reader_rule(bad)
+    with pytest.raises(ValueError, match=r"\['middle: a'\] not in"):  # a hostile file
+        reader_rule(cell(0.01, {"middle: a": 15}))
+    with pytest.raises(ValueError, match="no auto_choices"):
+        reader_rule({**cell(0.01, {}), "auto_choices": None})
 
 
 def test_reader_rule_on_the_committed_cells_gives_the_documented_reader_defaults():
