@@ -54,6 +54,7 @@ from ..llm import (
     turn_attention_mass,
 )
 from ..model_selection import ResultStoreError, grouped_splits, read_json, write_json
+from ..utils.fileio import read_regular_file
 from ..utils.progress import log
 from ..utils.sklearn_compat import Interval, fit_context
 from ..utils.validation import group_labels
@@ -541,9 +542,12 @@ def _shared_order(items, store, phase, stored):
     ``stored(i)`` says (and takes up) what the store already holds, also what another
     process sharing the store finished meanwhile. Without a store every item is
     computed. With one, an item another process has claimed is deferred; once the
-    others are done, each deferred item is computed here unless stored by then (a
-    claim left by a killed process only delays its item). Each yielded item is
-    claimed, and its claim released when the caller comes back (or stops).
+    others are done, each deferred item is waited for while a live process of this
+    host holds its claim (computing it again here would only make this process
+    start the next pass later), then computed here unless stored by then (a claim
+    left by a killed process, or by another host, only delays its item). Each
+    yielded item is claimed, and its claim released when the caller comes back (or
+    stops).
     """
     deferred = []
     for i in items:
@@ -558,12 +562,44 @@ def _shared_order(items, store, phase, stored):
             if store is not None:
                 store.release(phase, i)
     for i in deferred:
+        while not stored(i) and store.claimed_by_live_process(phase, i):
+            time.sleep(_CLAIM_POLL_SECONDS)
         if stored(i):
             continue
         try:
             yield i
         finally:
             store.release(phase, i)
+
+
+#: How often a pass waiting for another process's conversation looks at the store.
+_CLAIM_POLL_SECONDS = 10.0
+
+
+@contextlib.contextmanager
+def _folder_lock(folder):
+    """Hold an exclusive ``flock`` on ``folder`` itself (no lock file is created).
+
+    Serialises the read-merge-write of processes sharing a store in that folder, so
+    one's write cannot replace another's between its read and its write. Where
+    there is no ``flock`` (Windows) or the folder cannot be locked, nothing is held:
+    a lost write then only makes a later run compute that entry again.
+    """
+    try:
+        import fcntl
+
+        fd = os.open(folder, os.O_RDONLY)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 class _GraftStore:
@@ -592,17 +628,35 @@ class _GraftStore:
         self.n_candidates = list(n_candidates)
         self.stats, self.scores, self.threads = {}, {}, set()
         self._warned = False
+        self._seen = None  # the file as last read here (see _stat)
         if self.path.exists():
+            seen = self._stat()
             self.stats, self.scores, self.threads = self._read(read_json(self.path))
+            self._seen = seen
+
+    def _stat(self):
+        """``(inode, size, mtime_ns)`` of the file, or ``None`` when there is none.
+
+        A write replaces the file (a new inode), so a file with the tuple last seen
+        here holds nothing new.
+        """
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
 
     def refresh(self):
         """Read the file again: what another process stored meanwhile is added.
 
         Entries this store holds are kept (for an entry both hold, computed with the
-        same code, settings and thread count, the values are the same).
+        same code, settings and thread count, the values are the same). A file
+        unchanged since this store last read it is not read again.
         """
-        if self.path.exists():
+        seen = self._stat()
+        if seen is not None and seen != self._seen:
             stats, scores, threads = self._read(read_json(self.path))
+            self._seen = seen
             for key, value in stats.items():
                 self.stats.setdefault(key, value)
             for key, value in scores.items():
@@ -631,6 +685,31 @@ class _GraftStore:
             return True
         with os.fdopen(fd, "w") as f:  # for a person looking; never read back
             f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+        return True
+
+    def claimed_by_live_process(self, phase, i):
+        """Whether a running process of this host other than this one claims ``i``.
+
+        The claim file is read as untrusted (a regular file, no symlink, at most
+        4 KiB, JSON with an int ``pid`` and this host's name); anything else, a
+        process that is gone, or a claim of another host (whose processes cannot
+        be seen from here) gives ``False``.
+        """
+        try:
+            who = json.loads(read_regular_file(self._claim_path(phase, i), max_bytes=4096,
+                                               follow_symlinks=False))
+        except (OSError, ValueError):  # gone, not a regular file, too big, not JSON
+            return False
+        pid = who.get("pid") if isinstance(who, dict) else None
+        if (not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0
+                or pid == os.getpid() or who.get("host") != socket.gethostname()):
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:  # exists, owned by someone else
+            return True
         return True
 
     def release(self, phase, i):
@@ -716,8 +795,11 @@ class _GraftStore:
         def matrix(m):
             return [[None if not np.isfinite(v) else float(v) for v in row] for row in m]
 
+        with _folder_lock(self.path.parent):
+            self._save(matrix, int(torch.get_num_threads()))
+
+    def _save(self, matrix, now):
         self.refresh()  # another process's entries are kept, not overwritten
-        now = int(torch.get_num_threads())
         if self.threads and now not in self.threads and not self._warned:
             self._warned = True
             warnings.warn(
@@ -725,7 +807,7 @@ class _GraftStore:
                 f"is now continued with {now}: floating-point sums depend on the thread "
                 "count, so its scores may differ in their last bits from one run's (set "
                 "torch.set_num_threads, or OMP_NUM_THREADS, to the store's count for "
-                "exact results).", RuntimeWarning, stacklevel=4)
+                "exact results).", RuntimeWarning, stacklevel=5)
         self.threads.add(now)
         write_json(self.path, {
             "format": self.FORMAT, "version": self.VERSION, "signature": self.signature,
@@ -734,6 +816,8 @@ class _GraftStore:
             "scores": [[i, [list(h) for h in c[0]], [list(h) for h in c[1]],
                         [float(v) for v in values]]
                        for (i, c), values in sorted(self.scores.items())]})
+        # _seen stays the file last read: another process may replace the file right
+        # after this write, so the next refresh reads it again once
 
 
 # ----------------------------------------------------------------------------- estimator
@@ -1055,6 +1139,8 @@ n_conversations_fit_
                 store.save()
         grafted = sorted(i for i, configs in requests.items()
                          if any(_active(c, mix) for c in configs))
+        if kv is not None:  # the prompts whose KV cache this process kept first: no reread
+            grafted.sort(key=lambda i: int(i) not in kv.kept)
         start = time.perf_counter()
         total = sum(sum(_active(c, mix) for c in requests[i]) for i in grafted)
         scored, done = 0, 0
@@ -1278,6 +1364,9 @@ def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None, store
         cache is there at once (float32 keys and values of every layer: about
         46 KB per prompt token for SmolLM2-135M). Models with sliding-window
         layers keep nothing (their prompts are reread at each graft anyway).
+        With ``store`` shared by several processes, each process's graft pass
+        takes the conversations whose caches it kept first, so a prompt is reread
+        only where another process (or an earlier run) read it for the statistics.
         The subfolder is also removed after an error or ``KeyboardInterrupt``;
         a process killed outright (SIGKILL, or SIGTERM without a handler that
         raises) leaves its ``skafa-grafted-kv-*`` folder, to be removed by hand.

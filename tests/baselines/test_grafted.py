@@ -1,5 +1,8 @@
 """Tests of skafa.baselines.GraftedJudge and head_direct_effects (tiny random models)."""
 
+import json
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -462,7 +465,6 @@ def test_split_predictions_validate_like_fit(tiny, convs):
 
 
 def test_split_predictions_resume_from_their_store(tiny, convs, tmp_path, monkeypatch):
-    import json
 
     from skafa.baselines import _grafted, grafted_split_predictions
     from skafa.model_selection import ResultStoreError
@@ -509,7 +511,6 @@ def test_split_predictions_resume_from_their_store(tiny, convs, tmp_path, monkey
 
 
 def test_recheck_graft_store_finds_equal_and_changed_scores(tiny, convs, tmp_path):
-    import json
 
     from skafa.baselines import grafted_split_predictions, recheck_graft_store
     from skafa.model_selection import ResultStoreError
@@ -548,7 +549,6 @@ def test_recheck_graft_store_finds_equal_and_changed_scores(tiny, convs, tmp_pat
 
 def test_a_graft_store_records_its_thread_counts_and_warns_on_another(tiny, convs, tmp_path,
                                                                       monkeypatch):
-    import json
     import warnings
 
     import torch
@@ -660,7 +660,6 @@ def _share_graft_store(path, delay, queue):
 
 def test_two_processes_share_a_graft_store(tiny, convs, tmp_path):
     """Two processes on one store split the conversations and give the same predictions."""
-    import json
     import multiprocessing
 
     from skafa.baselines import grafted_split_predictions
@@ -686,3 +685,138 @@ def test_two_processes_share_a_graft_store(tiny, convs, tmp_path):
     kept = json.loads(path.read_text())
     assert sorted(e[0] for e in kept["stats"]) == list(range(n)) and kept["threads"] == [1]
     assert list(tmp_path.glob("*.claim")) == []
+
+
+def test_the_graft_pass_takes_the_prompts_whose_kv_it_kept_first(tiny, convs, tmp_path,
+                                                                  monkeypatch):
+    """With ``kv_dir``, conversations read here for the statistics are grafted first."""
+    from skafa.baselines import grafted_split_predictions
+
+    groups, y, splits, judge = _split_case(convs)
+    path = tmp_path / "graft.json"
+    expected, _ = grafted_split_predictions(judge, convs, y, splits, groups=groups, store=path)
+    data = json.loads(path.read_text())  # an earlier run kept the statistics of 0 and 1 only
+    data["stats"] = [entry for entry in data["stats"] if entry[0] in (0, 1)]
+    data["scores"] = []
+    path.write_text(json.dumps(data))
+    seen = _sessions(monkeypatch)
+    got, _ = grafted_split_predictions(judge, convs, y, splits, groups=groups, store=path,
+                                       kv_dir=tmp_path / "kv")
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)
+    n = len(convs)
+    assert seen[:n - 2] == list(range(2, n))  # statistics of the others, caches kept
+    assert seen[n - 2:] == [*range(2, n), 0, 1]  # grafts: kept caches first, then rereads
+    assert list((tmp_path / "kv").iterdir()) == []
+
+
+def test_a_conversation_a_live_process_claims_is_waited_for(tiny, convs, tmp_path,
+                                                            monkeypatch):
+    """A claim held by a running process of this host is waited for, not recomputed."""
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from skafa.baselines import _grafted, grafted_split_predictions
+
+    groups, y, splits, judge = _split_case(convs)
+    expected, _ = grafted_split_predictions(judge, convs, y, splits, groups=groups)
+    monkeypatch.setattr(_grafted, "_CLAIM_POLL_SECONDS", 0.05)
+    path = tmp_path / "graft.json"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    claim = tmp_path / "graft.json.stats-0.claim"
+    claim.write_text(json.dumps({"pid": other.pid, "host": socket.gethostname()}))
+    store = _grafted._GraftStore(path, {}, 1, 1, [1])
+    assert store.claimed_by_live_process("stats", 0)
+    for bad in ("{}", "[1]", '{"pid": true}', '{"pid": 1.5}', "x" * 5000,
+                json.dumps({"pid": other.pid, "host": "elsewhere"}),
+                json.dumps({"pid": os.getpid(), "host": socket.gethostname()})):
+        (tmp_path / "graft.json.stats-9.claim").write_text(bad)
+        assert not store.claimed_by_live_process("stats", 9)
+    (tmp_path / "graft.json.stats-9.claim").unlink()
+    os.mkfifo(tmp_path / "graft.json.stats-9.claim")  # would block a plain open()
+    assert not store.claimed_by_live_process("stats", 9)
+    (tmp_path / "graft.json.stats-9.claim").unlink()
+    (tmp_path / "graft.json.stats-9.claim").symlink_to(claim)  # a live claim, linked
+    assert not store.claimed_by_live_process("stats", 9)
+    (tmp_path / "graft.json.stats-9.claim").unlink()
+    ended = []
+
+    def stop_other():  # once the others' statistics are under way, and a moment longer
+        while len(calls) < len(convs) - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)
+        other.kill()
+        other.wait()
+        ended.append(time.monotonic())
+
+    real, calls = _grafted.GraftedJudge._session, []
+
+    def session(self, lm, plan, i, kv=None):
+        calls.append((int(i), time.monotonic()))
+        return real(self, lm, plan, i, kv)
+
+    monkeypatch.setattr(_grafted.GraftedJudge, "_session", session)
+    deadline = time.monotonic() + 300
+    stopper = threading.Thread(target=stop_other)
+    stopper.start()
+    try:
+        got, _ = grafted_split_predictions(judge, convs, y, splits, groups=groups,
+                                           store=path)
+    finally:
+        stopper.join()
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)
+    n = len(convs)
+    assert [i for i, _ in calls[:n]] == [*range(1, n), 0]
+    assert calls[n - 1][1] > ended[0]  # conversation 0 only once its claimant had gone
+    assert list(tmp_path.glob("*.claim")) == []
+
+
+def test_a_graft_store_reads_its_file_again_only_once_it_changed(tmp_path, monkeypatch):
+    """``refresh`` (called while waiting for other processes) skips an unchanged file."""
+    from skafa.baselines import _grafted
+
+    path = tmp_path / "graft.json"
+    mine = _grafted._GraftStore(path, {"cell": 1}, 2, 3, [4, 4])
+    mine.stats[0] = (np.zeros((2, 3)), np.ones((2, 3)))
+    mine.save()
+    real, reads = _grafted.read_json, []
+    monkeypatch.setattr(_grafted, "read_json", lambda p: reads.append(p) or real(p))
+    theirs = _grafted._GraftStore(path, {"cell": 1}, 2, 3, [4, 4])
+    assert len(reads) == 1 and list(theirs.stats) == [0]
+    theirs.refresh().refresh()
+    assert len(reads) == 1  # nothing new on disk
+    mine.stats[1] = (np.full((2, 3), 0.5), np.zeros((2, 3)))
+    mine.save()  # reads the file first (it last read it before its own write)
+    n = len(reads)
+    theirs.refresh()
+    assert len(reads) == n + 1 and sorted(theirs.stats) == [0, 1]
+    np.testing.assert_array_equal(theirs.stats[1][0], np.full((2, 3), 0.5))
+    theirs.refresh()
+    assert len(reads) == n + 1
+
+
+def test_a_graft_store_write_waits_for_another_writer(tmp_path):
+    """``save`` holds a lock on the store's folder across its read-merge-write."""
+    import threading
+
+    from skafa.baselines import _grafted
+
+    fcntl = pytest.importorskip("fcntl")
+    path = tmp_path / "graft.json"
+    store = _grafted._GraftStore(path, {"cell": 1}, 2, 3, [4, 4])
+    store.stats[0] = (np.zeros((2, 3)), np.ones((2, 3)))
+    other = os.open(tmp_path, os.O_RDONLY)  # another writer, mid-write
+    fcntl.flock(other, fcntl.LOCK_EX)
+    writer = threading.Thread(target=store.save)
+    writer.start()
+    writer.join(0.5)
+    assert writer.is_alive() and not path.exists()
+    os.close(other)
+    writer.join(30)
+    assert not writer.is_alive()
+    assert [e[0] for e in json.loads(path.read_text())["stats"]] == [0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["graft.json"]  # no lock file
