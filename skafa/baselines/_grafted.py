@@ -576,6 +576,22 @@ def _shared_order(items, store, phase, stored):
 _CLAIM_POLL_SECONDS = 10.0
 
 
+def _process_start(pid):
+    """Start time of process ``pid`` (clock ticks after boot), or ``None``.
+
+    Field 22 of ``/proc/<pid>/stat`` (Linux); ``None`` where there is no such file
+    (another system, a process that is gone) or it cannot be parsed. With the pid it
+    names one process: a pid reused after its process ended gets another start.
+    """
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            text = f.read(4096)
+        # the command name (field 2) is in parentheses and may hold spaces or ')'
+        return int(text[text.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 @contextlib.contextmanager
 def _folder_lock(folder):
     """Hold an exclusive ``flock`` on ``folder`` itself (no lock file is created).
@@ -683,8 +699,9 @@ class _GraftStore:
             return False
         except OSError:
             return True
-        with os.fdopen(fd, "w") as f:  # for a person looking; never read back
-            f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+        with os.fdopen(fd, "w") as f:  # read back by claimed_by_live_process
+            f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                "start": _process_start(os.getpid())}))
         return True
 
     def claimed_by_live_process(self, phase, i):
@@ -693,7 +710,10 @@ class _GraftStore:
         The claim file is read as untrusted (a regular file, no symlink, at most
         4 KiB, JSON with an int ``pid`` and this host's name); anything else, a
         process that is gone, or a claim of another host (whose processes cannot
-        be seen from here) gives ``False``.
+        be seen from here) gives ``False``. Where the claim records its process's
+        start time (``/proc/<pid>/stat``), a process now under that pid that
+        started at another time is not the claimant (the pid was reused after the
+        claimant was killed): ``False`` too, so nobody waits for it.
         """
         try:
             who = json.loads(read_regular_file(self._claim_path(phase, i), max_bytes=4096,
@@ -709,7 +729,12 @@ class _GraftStore:
         except ProcessLookupError:
             return False
         except OSError:  # exists, owned by someone else
-            return True
+            pass
+        start = who.get("start")
+        if isinstance(start, int) and not isinstance(start, bool):
+            now = _process_start(pid)
+            if now is not None and now != start:  # another process under a reused pid
+                return False
         return True
 
     def release(self, phase, i):
