@@ -196,6 +196,13 @@ def test_benchmark_dtype_on_tiny_model(tmp_path, capsys):
     assert "| bfloat16 |" in report and report in capsys.readouterr().out
     assert "s per 1,000 tokens" in report and "| resid_final |" in report
     assert all(res["info"][d]["load_hwm"] > 0 for d in res["info"])
+    # the suite's CPU has no bfloat16 units (SKAFA_CPU_BF16=0): float32's kernel, and the
+    # native kernel beside it, whose numbers it matches up to the order of float32 sums
+    assert res["info"]["bfloat16"]["via_float32"] is True
+    assert res["info"]["bfloat16-native"]["via_float32"] is False
+    assert len(res["times"]["bfloat16-native"]) == 2
+    assert "| bfloat16 | float32 kernel |" in report and "| bfloat16-native | native |" in report
+    assert 0 <= res["native_errors"].max() < 0.05
 
 
 def test_benchmark_eta_on_tiny_model(tmp_path, capsys, who_and_when_dir):

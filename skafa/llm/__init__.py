@@ -14,6 +14,7 @@ from ._attention import (
     has_sliding_window,
 )
 from ._batching import SequenceTooLarge, length_batches
+from ._bf16 import bf16_matmul_via_float32, uses_bf16_matmul_via_float32
 from ._cache import (
     DEFAULT_MEMORY_BYTES,
     ActivationCache,
@@ -123,6 +124,7 @@ __all__ = [
     "all_sites",
     "banded_sdpa_attention_forward",
     "banded_sliding_window_attention",
+    "bf16_matmul_via_float32",
     "calibrate_seconds",
     "check_fits",
     "clear_model_cache",
@@ -167,6 +169,7 @@ __all__ = [
     "template_uses_date",
     "turn_attention_mass",
     "unregister_model",
+    "uses_bf16_matmul_via_float32",
     "validate_sites",
     "verify_saved_model",
 ]

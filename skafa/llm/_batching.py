@@ -13,6 +13,8 @@ from __future__ import annotations
 import numbers
 import os
 
+from ._bf16 import uses_bf16_matmul_via_float32
+
 __all__ = ["SequenceTooLarge", "length_batches"]
 
 
@@ -58,6 +60,8 @@ def _activation_bytes(layout):
     inter = int(getattr(config, "intermediate_size", None) or 4 * d)
     heads = int(getattr(config, "num_attention_heads", None) or 1)
     size = weight.element_size()
+    if uses_bf16_matmul_via_float32(decoder):  # products made in float32, then rounded
+        size = max(size, 4)
     per_token = size * (6 * d + 4 * inter) + 4 * d
     attn = getattr(config, "_attn_implementation", "eager") or "eager"
     per_pair = size + (8 * heads if attn == "eager" else 0)

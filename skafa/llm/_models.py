@@ -35,6 +35,7 @@ from pathlib import Path
 
 from ..persistence import register_model_locator, register_value_codec
 from ..utils.fileio import atomic_write_bytes, read_regular_file
+from ._bf16 import bf16_matmul_via_float32
 
 __all__ = [
     "load_model",
@@ -647,7 +648,10 @@ default="auto"
         ``"auto"`` is resolved by :func:`resolve_dtype` (bfloat16 on CUDA and on
         CPUs with native bfloat16 units, else float32; a registered model's own
         dtype). GGUF weights are dequantised to float32 by transformers, then cast.
-        Any other value (``"int8"``) raises ``ValueError``; for a registered model
+        A bfloat16 model loaded for a CPU without bfloat16 units multiplies through
+        float32's kernel (:func:`bf16_matmul_via_float32`: bfloat16 products with
+        another float32 summation order than the native kernel's, several times
+        faster there; ``SKAFA_CPU_BF16=1`` keeps the native kernel). Any other value (``"int8"``) raises ``ValueError``; for a registered model
         an explicit dtype must be the dtype of its weights (it is part of the
         activation cache key).
     gguf_file : str, optional
@@ -726,6 +730,10 @@ default="auto"
             return _CACHE[key]
         pair = _load(spec, tok_source, dtype_name, device_name, bool(trust_remote_code),
                      convert_dir)
+        if dtype_name == "bfloat16" and device_name == "cpu" and not cpu_has_bf16():
+            # PyTorch's bfloat16 product is several times slower than float32's here:
+            # the same numbers through float32's kernel (see skafa.llm._bf16)
+            bf16_matmul_via_float32(pair[0])
         _CACHE[key] = pair
         return pair
 
