@@ -35,7 +35,6 @@ import json
 import numbers
 import os
 import shutil
-import socket
 import tempfile
 import time
 import warnings
@@ -54,7 +53,7 @@ from ..llm import (
     turn_attention_mass,
 )
 from ..model_selection import ResultStoreError, grouped_splits, read_json, write_json
-from ..utils.fileio import read_regular_file
+from ..utils.claims import claim_holder_alive, claim_text, wait_while_claimed
 from ..utils.progress import log
 from ..utils.sklearn_compat import Interval, fit_context
 from ..utils.validation import group_labels
@@ -562,34 +561,13 @@ def _shared_order(items, store, phase, stored):
             if store is not None:
                 store.release(phase, i)
     for i in deferred:
-        while not stored(i) and store.claimed_by_live_process(phase, i):
-            time.sleep(_CLAIM_POLL_SECONDS)
+        wait_while_claimed(store._claim_path(phase, i), lambda: stored(i))
         if stored(i):
             continue
         try:
             yield i
         finally:
             store.release(phase, i)
-
-
-#: How often a pass waiting for another process's conversation looks at the store.
-_CLAIM_POLL_SECONDS = 10.0
-
-
-def _process_start(pid):
-    """Start time of process ``pid`` (clock ticks after boot), or ``None``.
-
-    Field 22 of ``/proc/<pid>/stat`` (Linux); ``None`` where there is no such file
-    (another system, a process that is gone) or it cannot be parsed. With the pid it
-    names one process: a pid reused after its process ended gets another start.
-    """
-    try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            text = f.read(4096)
-        # the command name (field 2) is in parentheses and may hold spaces or ')'
-        return int(text[text.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 @contextlib.contextmanager
@@ -700,42 +678,16 @@ class _GraftStore:
         except OSError:
             return True
         with os.fdopen(fd, "w") as f:  # read back by claimed_by_live_process
-            f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                "start": _process_start(os.getpid())}))
+            f.write(claim_text())
         return True
 
     def claimed_by_live_process(self, phase, i):
         """Whether a running process of this host other than this one claims ``i``.
 
-        The claim file is read as untrusted (a regular file, no symlink, at most
-        4 KiB, JSON with an int ``pid`` and this host's name); anything else, a
-        process that is gone, or a claim of another host (whose processes cannot
-        be seen from here) gives ``False``. Where the claim records its process's
-        start time (``/proc/<pid>/stat``), a process now under that pid that
-        started at another time is not the claimant (the pid was reused after the
-        claimant was killed): ``False`` too, so nobody waits for it.
+        :func:`skafa.utils.claims.claim_holder_alive` of the claim file (read as
+        untrusted; a stale claim, a reused pid or another host's claim: ``False``).
         """
-        try:
-            who = json.loads(read_regular_file(self._claim_path(phase, i), max_bytes=4096,
-                                               follow_symlinks=False))
-        except (OSError, ValueError):  # gone, not a regular file, too big, not JSON
-            return False
-        pid = who.get("pid") if isinstance(who, dict) else None
-        if (not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0
-                or pid == os.getpid() or who.get("host") != socket.gethostname()):
-            return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except OSError:  # exists, owned by someone else
-            pass
-        start = who.get("start")
-        if isinstance(start, int) and not isinstance(start, bool):
-            now = _process_start(pid)
-            if now is not None and now != start:  # another process under a reused pid
-                return False
-        return True
+        return claim_holder_alive(self._claim_path(phase, i))
 
     def release(self, phase, i):
         """Remove the claim on conversation ``i`` of ``phase``, whoever made it."""

@@ -36,7 +36,9 @@ the work: a ``<key>.claim`` file, created atomically, says "being extracted
 elsewhere". A claim is advisory: whoever meets another's claim does other
 conversations first and comes back; one left by a killed process only delays that
 conversation (and is removed once it is written), it never blocks it, and a result
-is correct whoever computes it.
+is correct whoever computes it. A claim names its process (pid, host, start time): a
+process that has nothing else left waits for a conversation a running process of the
+same host has claimed instead of computing it twice.
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import threading
 import warnings
 import zlib
@@ -53,6 +54,7 @@ from collections import OrderedDict
 import numpy as np
 
 from ..exceptions import CacheCorruptionWarning
+from ..utils.claims import claim_holder_alive, claim_text
 from ..utils.fileio import json_field, read_safetensors, write_safetensors
 from ._reads import READS
 from ._sites import site_depth
@@ -352,9 +354,33 @@ class ActivationCache:
             fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except OSError:  # FileExistsError: held elsewhere; else not writable here
             return False
-        with os.fdopen(fd, "w") as f:  # for a person looking; never read back
-            f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+        with os.fdopen(fd, "w") as f:  # read back by claimed_by_live_process
+            f.write(claim_text())
         return True
+
+    def claim_path(self, key):
+        """The claim file of ``key`` (see :meth:`claim`); ``None`` without a directory."""
+        path = self.path(key)
+        return None if path is None else f"{path}.claim"
+
+    def claimed_by_live_process(self, key):
+        """Whether a running process of this host, other than this one, claims ``key``.
+
+        :func:`skafa.utils.claims.claim_holder_alive` of the claim file: a claim
+        left by a killed process (even one whose pid was reused), one of another
+        host, or a file that is not a well-formed claim gives ``False``.
+
+        Parameters
+        ----------
+        key : str
+            From :func:`activation_key`.
+
+        Returns
+        -------
+        alive : bool
+        """
+        path = self.claim_path(key)
+        return path is not None and claim_holder_alive(path)
 
     def release(self, key):
         """Remove the claim on ``key``, whoever made it (no error if there is none).

@@ -32,6 +32,7 @@ from sklearn.utils.validation import check_is_fitted
 from ..conversation import check_conversations
 from ..features import TurnFeatures
 from ..persistence import PersistenceMixin
+from ..utils.claims import wait_while_claimed
 from ..utils.sklearn_compat import Interval, StrOptions, fit_context
 from ..utils.validation import describe_conversation
 from ._attention import banded_sliding_window_attention
@@ -533,9 +534,12 @@ def _extract_task(job, items, cache=None, progress=None):
     With a disk cache, each conversation is looked up again right before its batch
     runs (another process may have written it meanwhile) and claimed
     (:meth:`skafa.llm.ActivationCache.claim`); one claimed by another process is
-    put off until everything else is done, then taken from the cache or, if it is
-    still missing (that process died or is slow), extracted here. Once written, a
-    conversation's claim is removed, whoever made it.
+    put off until everything else is done; then, holding no claim, this process
+    waits while a running process of this host holds that claim
+    (:func:`skafa.utils.claims.wait_while_claimed`), and takes the conversation
+    from the cache or, if it is still missing (its claimant died, or runs on
+    another host), extracts it here. Once written, a conversation's claim is
+    removed, whoever made it.
 
     Returns
     -------
@@ -627,6 +631,10 @@ def _extract_task(job, items, cache=None, progress=None):
         if todo:
             n_passes += run(todo, honour_claims=True)
         if deferred:  # claimed elsewhere: by now in the cache, or extracted here
+            for k in sorted(deferred):  # holding no claim: a running claimant is waited for
+                key = items[k]["key"]
+                wait_while_claimed(cache.claim_path(key),
+                                   lambda key=key, k=k: cache.stat(key) not in (None, seen.get(k)))
             n_passes += run(sorted(deferred), honour_claims=False)
     finally:
         for k in mine:
@@ -848,8 +856,9 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
     while it is extracted (:meth:`skafa.llm.ActivationCache.claim`): a process
     that meets another's claim does the rest first, then takes that conversation
     from the cache, so two jobs started on the same data split the work instead
-    of repeating it. A conversation still unfinished elsewhere at the end (or
-    whose claim a killed process left behind) is extracted again, which is
+    of repeating it. A conversation still being extracted at the end by a running
+    process of the same host is waited for; one whose claim a killed process left
+    behind, or that a process of another host claims, is extracted again, which is
     harmless: the results are identical and entries are written atomically.
 
     Examples

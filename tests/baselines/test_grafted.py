@@ -720,10 +720,11 @@ def test_a_conversation_a_live_process_claims_is_waited_for(tiny, convs, tmp_pat
     import time
 
     from skafa.baselines import _grafted, grafted_split_predictions
+    from skafa.utils import claims
 
     groups, y, splits, judge = _split_case(convs)
     expected, _ = grafted_split_predictions(judge, convs, y, splits, groups=groups)
-    monkeypatch.setattr(_grafted, "_CLAIM_POLL_SECONDS", 0.05)
+    monkeypatch.setattr(claims, "POLL_SECONDS", 0.05)
     path = tmp_path / "graft.json"
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     claim = tmp_path / "graft.json.stats-0.claim"
@@ -773,37 +774,6 @@ def test_a_conversation_a_live_process_claims_is_waited_for(tiny, convs, tmp_pat
     assert [i for i, _ in calls[:n]] == [*range(1, n), 0]
     assert calls[n - 1][1] > ended[0]  # conversation 0 only once its claimant had gone
     assert list(tmp_path.glob("*.claim")) == []
-
-
-def test_a_claim_whose_pid_was_reused_is_not_waited_for(tmp_path):
-    """A live process under the claim's pid but with another start time is not the claimant."""
-    import socket
-    import subprocess
-    import sys
-
-    from skafa.baselines import _grafted
-
-    store = _grafted._GraftStore(tmp_path / "graft.json", {}, 1, 1, [1])
-    assert store.claim("stats", 3)  # this process's claim records its start
-    mine = json.loads((tmp_path / "graft.json.stats-3.claim").read_text())
-    assert mine["start"] == _grafted._process_start(os.getpid())
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        start = _grafted._process_start(other.pid)
-        if start is None:
-            pytest.skip("no /proc/<pid>/stat on this system")
-        claim = tmp_path / "graft.json.stats-0.claim"
-        host = socket.gethostname()
-        claim.write_text(json.dumps({"pid": other.pid, "host": host, "start": start}))
-        assert store.claimed_by_live_process("stats", 0)
-        claim.write_text(json.dumps({"pid": other.pid, "host": host, "start": start + 1}))
-        assert not store.claimed_by_live_process("stats", 0)  # the pid names another process
-        claim.write_text(json.dumps({"pid": other.pid, "host": host, "start": "x"}))
-        assert store.claimed_by_live_process("stats", 0)  # no usable start: the pid decides
-    finally:
-        other.kill()
-        other.wait()
-    assert _grafted._process_start(other.pid) is None
 
 
 def test_a_graft_store_reads_its_file_again_only_once_it_changed(tmp_path, monkeypatch):

@@ -444,6 +444,58 @@ def test_a_conversation_claimed_elsewhere_is_done_last_and_taken_from_disk(
         assert [Path(f).name for f in claims] == [f"{keys[c]}.safetensors.claim"]
 
 
+def test_a_conversation_a_running_process_claims_is_waited_for(tmp_path, registered,
+                                                              monkeypatch):
+    """At the end, a claim of a running process of this host is waited for, not redone."""
+    import shutil
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    from skafa.llm import ActivationCache
+    from skafa.utils import claims
+
+    monkeypatch.setattr(claims, "POLL_SECONDS", 0.02)
+    model = make_tiny_llama(n_layers=2, seed=22)
+    name = registered(model)
+    convs = make_conversations(3, seed=23)
+    keys = _one_key_each(name, convs, tmp_path)
+    ref = TurnActivationTransformer(name, cache_dir=tmp_path / "ref", memory_cache=False)
+    expected = ref.fit(convs).transform(convs)
+    for finishes in (True, False):  # the claimant writes the entry / is killed first
+        shared = tmp_path / f"shared-{finishes}"
+        cache = ActivationCache(shared, memory=False)
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        claim = Path(cache.claim_path(keys[1]))
+        claim.parent.mkdir(parents=True)
+        claim.write_text(json.dumps({"pid": other.pid, "host": socket.gethostname(),
+                                     "start": claims.process_start(other.pid)}))
+        assert cache.claimed_by_live_process(keys[1])
+
+        def finish(finishes=finishes, shared=shared, other=other):
+            if finishes:
+                src = _entry_files(tmp_path / "ref")[f"{keys[1]}.safetensors"]
+                shutil.copyfile(src, shared / keys[1][:2] / f"{keys[1]}.safetensors")
+            else:
+                other.kill()
+                other.wait()
+
+        timer = threading.Timer(0.5, finish)
+        timer.start()
+        try:
+            t = TurnActivationTransformer(name, cache_dir=shared, memory_cache=False)
+            got = t.fit(convs).transform(convs)
+        finally:
+            timer.join()
+            other.kill()
+            other.wait()
+        assert np.array_equal(got.values, expected.values)
+        # waited for, then read from disk; or, its claimant gone, extracted here
+        assert t.run_stats["n_extracted"] == (2 if finishes else 3), finishes
+        assert not cache.claimed_by_live_process(keys[1])
+
+
 def test_a_claim_left_by_a_killed_process_delays_but_never_blocks(tmp_path, registered):
     from skafa.llm import ActivationCache
 
