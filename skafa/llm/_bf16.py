@@ -101,10 +101,9 @@ def bf16_matmul_via_float32(model, *, min_rows=MIN_ROWS):
     to the order of float32 sums; over a whole model the hidden states then
     differ from the native kernel's about as much as bfloat16's differ from
     float32's (another rounding of the same bfloat16 computation, as a thread
-    count or another CPU's kernel gives). Every
-    ``torch.nn.Linear`` of ``model`` (exactly that class, not a subclass) is
-    changed in place; weights, hooks and the state dict are untouched. Calling it
-    again only updates ``min_rows``.
+    count or another CPU's kernel gives). Every ``torch.nn.Linear`` of ``model``
+    (exactly that class, not a subclass) is changed in place; weights, hooks and
+    the state dict are untouched. Calling it again only updates ``min_rows``.
 
     Parameters
     ----------
