@@ -33,6 +33,7 @@ from ..conversation import check_conversations
 from ..features import TurnFeatures
 from ..persistence import PersistenceMixin
 from ..utils.claims import wait_while_claimed
+from ..utils.progress import say
 from ..utils.sklearn_compat import Interval, StrOptions, fit_context
 from ..utils.validation import describe_conversation
 from ._attention import banded_sliding_window_attention
@@ -633,6 +634,11 @@ def _extract_task(job, items, cache=None, progress=None):
         if deferred:  # claimed elsewhere: by now in the cache, or extracted here
             for k in sorted(deferred):  # holding no claim: a running claimant is waited for
                 key = items[k]["key"]
+                if job.get("verbose") and cache.claimed_by_live_process(key):
+                    say("TurnActivationTransformer",
+                        f"waiting for {items[k]['where']}: a running process of this "
+                        "machine is extracting it (its claim file: "
+                        f"{os.path.basename(cache.claim_path(key))})")
                 wait_while_claimed(cache.claim_path(key),
                                    lambda key=key, k=k: cache.stat(key) not in (None, seen.get(k)))
             n_passes += run(sorted(deferred), honour_claims=False)
@@ -1297,6 +1303,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
             "sites": sites, "mean": READS[self.read].rows == "line", "pad": 0 if pad is None else int(pad),
             "heads": self._heads(), "width": int(self.n_features_out_),
             "batch_size": _check_batch_size(self.batch_size),
+            "verbose": int(self.verbose or 0),
             "cache_dir": (None if self.cache_dir is None
                           else os.path.expanduser(os.fspath(self.cache_dir))),
         }

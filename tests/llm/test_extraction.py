@@ -35,6 +35,7 @@ from skafa.testing import (
     make_tiny_qwen2,
     make_tiny_tokenizer,
 )
+from skafa.utils.validation import describe_conversation
 
 FACTORIES = {"llama": make_tiny_llama, "qwen2": make_tiny_qwen2, "gemma2": make_tiny_gemma}
 _COUNTER = iter(range(10**6))
@@ -445,7 +446,7 @@ def test_a_conversation_claimed_elsewhere_is_done_last_and_taken_from_disk(
 
 
 def test_a_conversation_a_running_process_claims_is_waited_for(tmp_path, registered,
-                                                              monkeypatch):
+                                                              monkeypatch, capsys):
     """At the end, a claim of a running process of this host is waited for, not redone."""
     import shutil
     import socket
@@ -484,12 +485,16 @@ def test_a_conversation_a_running_process_claims_is_waited_for(tmp_path, registe
         timer = threading.Timer(0.5, finish)
         timer.start()
         try:
-            t = TurnActivationTransformer(name, cache_dir=shared, memory_cache=False)
+            t = TurnActivationTransformer(name, cache_dir=shared, memory_cache=False,
+                                          verbose=1)
             got = t.fit(convs).transform(convs)
         finally:
             timer.join()
             other.kill()
             other.wait()
+        said = capsys.readouterr().out
+        where = describe_conversation(1, task_id=convs[1].task_id, record_id=convs[1].record_id)
+        assert f"waiting for {where}: a running process" in said, said
         assert np.array_equal(got.values, expected.values)
         # waited for, then read from disk; or, its claimant gone, extracted here
         assert t.run_stats["n_extracted"] == (2 if finishes else 3), finishes
