@@ -53,7 +53,7 @@ from ..llm import (
     turn_attention_mass,
 )
 from ..model_selection import ResultStoreError, grouped_splits, read_json, write_json
-from ..utils.claims import claim_holder_alive, claim_text, wait_while_claimed
+from ..utils.claims import claim_holder_alive, create_claim, wait_while_claimed
 from ..utils.progress import log
 from ..utils.sklearn_compat import Interval, fit_context
 from ..utils.validation import group_labels
@@ -670,16 +670,7 @@ class _GraftStore:
         comes back); ``True`` when the claim is this process's, or when it could not
         be written (nobody to share with, then).
         """
-        try:
-            fd = os.open(self._claim_path(phase, i), os.O_CREAT | os.O_EXCL | os.O_WRONLY,
-                         0o644)
-        except FileExistsError:
-            return False
-        except OSError:
-            return True
-        with os.fdopen(fd, "w") as f:  # read back by claimed_by_live_process
-            f.write(claim_text())
-        return True
+        return create_claim(self._claim_path(phase, i)) is not False
 
     def claimed_by_live_process(self, phase, i):
         """Whether a running process of this host other than this one claims ``i``.

@@ -54,7 +54,7 @@ from collections import OrderedDict
 import numpy as np
 
 from ..exceptions import CacheCorruptionWarning
-from ..utils.claims import claim_holder_alive, claim_text
+from ..utils.claims import claim_holder_alive, create_claim
 from ..utils.fileio import json_field, read_safetensors, write_safetensors
 from ._reads import READS
 from ._sites import site_depth
@@ -351,12 +351,9 @@ class ActivationCache:
         claim = f"{path}.claim"
         try:
             os.makedirs(os.path.dirname(claim), exist_ok=True)
-            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except OSError:  # FileExistsError: held elsewhere; else not writable here
+        except OSError:  # not writable here
             return False
-        with os.fdopen(fd, "w") as f:  # read back by claimed_by_live_process
-            f.write(claim_text())
-        return True
+        return bool(create_claim(claim))  # held elsewhere, or not writable: False
 
     def claim_path(self, key):
         """The claim file of ``key`` (see :meth:`claim`); ``None`` without a directory."""

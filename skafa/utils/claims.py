@@ -22,8 +22,8 @@ import time
 
 from .fileio import read_regular_file
 
-__all__ = ["POLL_SECONDS", "claim_text", "claim_holder_alive", "process_start",
-           "wait_while_claimed"]
+__all__ = ["POLL_SECONDS", "claim_text", "claim_holder_alive", "create_claim",
+           "process_start", "wait_while_claimed"]
 
 #: How often a process waiting for another's claimed item looks again (seconds).
 POLL_SECONDS = 10.0
@@ -65,6 +65,34 @@ def claim_text():
     pid = os.getpid()
     return json.dumps({"pid": pid, "host": socket.gethostname(),
                        "start": process_start(pid)})
+
+
+def create_claim(path):
+    """Create the claim file ``path`` for this process, atomically, if nobody holds it.
+
+    ``O_CREAT | O_EXCL`` (atomic on a local or NFSv3+ file system); the file holds
+    :func:`claim_text`.
+
+    Parameters
+    ----------
+    path : str or path-like
+
+    Returns
+    -------
+    created : bool or None
+        ``True``: the claim is this process's. ``False``: the file exists (another
+        process holds it). ``None``: it could not be written (a read-only folder);
+        the caller decides what that means.
+    """
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    except OSError:
+        return None
+    with os.fdopen(fd, "w") as f:
+        f.write(claim_text())
+    return True
 
 
 def claim_holder_alive(path):

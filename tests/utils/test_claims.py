@@ -86,3 +86,11 @@ def test_wait_while_claimed_waits_for_the_item_or_the_claimant(tmp_path, other, 
     killer.join()
     stale = _write(tmp_path / "y.claim", pid=os.getpid(), host=socket.gethostname())
     assert claims.wait_while_claimed(stale, lambda: False) is False
+
+
+def test_create_claim_is_exclusive(tmp_path):
+    path = tmp_path / "x.claim"
+    assert claims.create_claim(path) is True
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert claims.create_claim(path) is False  # held
+    assert claims.create_claim(tmp_path / "missing" / "x.claim") is None  # not writable
