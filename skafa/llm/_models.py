@@ -253,7 +253,9 @@ def cpu_has_bf16() -> bool:
     ``SKAFA_CPU_BF16`` set to ``0`` or ``1`` overrides the reading (and is seen by
     the processes a run starts): with ``0``, ``dtype="auto"`` means float32 on
     every CPU, as skafa's test suite sets it so that its results do not depend on
-    the machine.
+    the machine, and a model :func:`load_model` loads in bfloat16 multiplies
+    through float32's kernel (:func:`bf16_matmul_via_float32`); with ``1``, it
+    keeps PyTorch's bfloat16 kernel.
     """
     env = os.environ.get("SKAFA_CPU_BF16", "").strip()
     if env in ("0", "1"):
