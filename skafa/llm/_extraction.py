@@ -523,7 +523,7 @@ def _check_finite(acts, item, sites):
         )
 
 
-def _extract_task(job, items, cache=None, progress=None):
+def _extract_task(job, items, cache=None, progress=None, elsewhere=None):
     """Extract ``items`` (dicts of ``key``, ``input_ids``, ``positions``, ``starts``, ...).
 
     Runs in the calling process (``cache`` and ``progress`` given) or in a joblib
@@ -541,6 +541,9 @@ def _extract_task(job, items, cache=None, progress=None):
     from the cache or, if it is still missing (its claimant died, or runs on
     another host), extracts it here. Once written, a conversation's claim is
     removed, whoever made it.
+
+    ``elsewhere(k, flag)``, when given, hears that item ``k`` is put off for
+    another process (``True``) or, after all, extracted here (``False``).
 
     Returns
     -------
@@ -596,10 +599,13 @@ def _extract_task(job, items, cache=None, progress=None):
                 return False
         if cache.claim(item["key"]):
             mine.add(k)
-            return True
-        if honour_claims:
+        elif honour_claims:
             deferred.append(k)
+            if elsewhere is not None:
+                elsewhere(k, True)
             return False
+        if not honour_claims and elsewhere is not None:
+            elsewhere(k, False)  # put off, then not found: extracted here after all
         return True
 
     def done(k, acts):
@@ -1317,12 +1323,16 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
             if bar is not None:
                 bar.done(j)
 
+        def elsewhere(j, flag):  # another process extracts it: not this one's work
+            if bar is not None:
+                bar.elsewhere(j, flag)
+
         n_workers = _n_workers(self.n_jobs)
         try:
             if n_workers == 1 or len(items) == 1:
                 # In this process: the model is already loaded, the cache is ours.
                 _, n_passes, n_hits = _extract_task(job, items, cache=self._cache,
-                                                    progress=store)
+                                                    progress=store, elsewhere=elsewhere)
             else:
                 n_passes, n_hits = self._compute_parallel(job, items, store, n_workers)
         finally:

@@ -78,6 +78,12 @@ class WorkBar:
         The cost's unit (shown with SI prefixes).
     items : str, default="conversations"
         What the postfix counts.
+
+    Notes
+    -----
+    An item another process computes (:meth:`elsewhere`) leaves the bar's total:
+    the bar then measures this process's own work, so its rate and ETA stay this
+    process's, however many others share the items.
     """
 
     def __init__(self, cost, desc, *, unit="FLOP", items="conversations"):
@@ -85,14 +91,31 @@ class WorkBar:
 
         self.cost = np.atleast_1d(np.asarray(cost, dtype=np.float64))
         self.items, self.n_done = items, 0
+        self._elsewhere = set()
         self.bar = tqdm(total=float(self.cost.sum()), unit=unit, unit_scale=True, desc=desc,
                         postfix=f"0/{len(self.cost)} {items}")
+
+    def elsewhere(self, j, flag=True):
+        """Item ``j`` is (``flag``), or after all is not, computed by another process.
+
+        Its cost leaves the bar's total (or comes back); its :meth:`done` then
+        only counts it.
+        """
+        j = int(j)
+        if bool(flag) == (j in self._elsewhere):
+            return
+        (self._elsewhere.add if flag else self._elsewhere.discard)(j)
+        self.bar.total += -float(self.cost[j]) if flag else float(self.cost[j])
+        self.bar.refresh()
 
     def done(self, j):
         """Item ``j`` (its index in ``cost``) is done."""
         self.n_done += 1
         self.bar.set_postfix_str(f"{self.n_done}/{len(self.cost)} {self.items}", refresh=False)
-        self.bar.update(float(self.cost[j]))
+        if int(j) in self._elsewhere:
+            self.bar.refresh()
+        else:
+            self.bar.update(float(self.cost[j]))
 
     def close(self):
         self.bar.close()

@@ -455,9 +455,16 @@ def test_a_conversation_a_running_process_claims_is_waited_for(tmp_path, registe
     import threading
 
     from skafa.llm import ActivationCache
-    from skafa.utils import claims
+    from skafa.utils import claims, progress
 
     monkeypatch.setattr(claims, "POLL_SECONDS", 0.02)
+    marked, real_elsewhere = [], progress.WorkBar.elsewhere
+
+    def spy(bar, j, flag=True):
+        marked.append((j, flag))
+        return real_elsewhere(bar, j, flag)
+
+    monkeypatch.setattr(progress.WorkBar, "elsewhere", spy)
     model = make_tiny_llama(n_layers=2, seed=22)
     name = registered(model)
     convs = make_conversations(3, seed=23)
@@ -467,6 +474,7 @@ def test_a_conversation_a_running_process_claims_is_waited_for(tmp_path, registe
     for finishes in (True, False):  # the claimant writes the entry / is killed first
         shared = tmp_path / f"shared-{finishes}"
         cache = ActivationCache(shared, memory=False)
+        marked.clear()
         other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         claim = Path(cache.claim_path(keys[1]))
         claim.parent.mkdir(parents=True)
@@ -495,6 +503,9 @@ def test_a_conversation_a_running_process_claims_is_waited_for(tmp_path, registe
         said = capsys.readouterr().out
         where = describe_conversation(1, task_id=convs[1].task_id, record_id=convs[1].record_id)
         assert f"waiting for {where}: a running process" in said, said
+        # the progress bar leaves another process's conversation out of this one's work,
+        # and takes it back when it is extracted here after all
+        assert marked == ([(1, True)] if finishes else [(1, True), (1, False)])
         assert np.array_equal(got.values, expected.values)
         # waited for, then read from disk; or, its claimant gone, extracted here
         assert t.run_stats["n_extracted"] == (2 if finishes else 3), finishes
