@@ -455,3 +455,26 @@ def test_judge_scores_read_from_another_runs_store_of_the_same_judge(tmp_path, m
     other["entries"][first]["scores"].append(0.0)  # another conversation's scores
     refused(other, "of another conversation")
     refused([], "not a judge score store")
+
+
+def test_committed_activation_cache_entries_pass_the_caches_checks():
+    """docs/results/activation-cache holds cache entries of §8's long runs (copied into a
+    run's cache folder): each must be read by ActivationCache under its own name."""
+    from skafa.llm import ActivationCache
+    from skafa.utils.fileio import json_field, read_safetensors
+
+    folder = Path(__file__).resolve().parents[2] / "docs" / "results" / "activation-cache"
+    paths = sorted(folder.glob("*/*.safetensors"))
+    if not paths:
+        pytest.skip("no committed activation-cache entries")
+    cache = ActivationCache(folder, memory=False)
+    for path in paths:
+        key = path.name.removesuffix(".safetensors")
+        assert path.parent.name == key[:2] and len(key) == 64, path
+        tensors, meta = read_safetensors(path)
+        shape = tensors["activations"].shape
+        sites = json_field(meta, "sites")
+        got = cache.get(key, sites, n_turns=shape[0], hidden_size=shape[2])
+        assert got is not None and got.shape == shape and np.isfinite(got).all(), path
+    assert cache.stats["corrupt"] == 0
+    assert sorted(p.name for p in folder.iterdir()) == sorted({p.parent.name for p in paths})
