@@ -100,9 +100,10 @@ def claim_holder_alive(path):
 
     The file is read as untrusted: a regular file (no symlink), at most 4 KiB, JSON
     with an int ``pid`` and this host's name; anything else, a process that is gone
-    (or ended and not yet reaped: a zombie), a process under the claim's pid that started at another time than the claim
-    records (the pid was reused), or a claim of another host (whose processes cannot
-    be seen from here) gives ``False``, so nobody waits for it.
+    (or has ended and is not yet reaped: a zombie), a process under the claim's pid
+    that started at another time than the claim records (the pid was reused), or a
+    claim of another host (whose processes cannot be seen from here) gives
+    ``False``, so nobody waits for it.
 
     Parameters
     ----------
