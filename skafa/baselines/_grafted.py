@@ -53,7 +53,7 @@ from ..llm import (
     turn_attention_mass,
 )
 from ..model_selection import ResultStoreError, grouped_splits, read_json, write_json
-from ..utils.claims import claim_holder_alive, create_claim, wait_while_claimed
+from ..utils.claims import create_claim, wait_while_claimed
 from ..utils.progress import log
 from ..utils.sklearn_compat import Interval, fit_context
 from ..utils.validation import group_labels
@@ -561,7 +561,7 @@ def _shared_order(items, store, phase, stored):
             if store is not None:
                 store.release(phase, i)
     for i in deferred:
-        wait_while_claimed(store._claim_path(phase, i), lambda: stored(i))
+        store.wait_for_claimant(phase, i, lambda: stored(i))
         if stored(i):
             continue
         try:
@@ -672,13 +672,14 @@ class _GraftStore:
         """
         return create_claim(self._claim_path(phase, i)) is not False
 
-    def claimed_by_live_process(self, phase, i):
-        """Whether a running process of this host other than this one claims ``i``.
+    def wait_for_claimant(self, phase, i, done):
+        """Wait while a running process of this host holds the claim on ``i``.
 
-        :func:`skafa.utils.claims.claim_holder_alive` of the claim file (read as
-        untrusted; a stale claim, a reused pid or another host's claim: ``False``).
+        :func:`skafa.utils.claims.wait_while_claimed` on its claim file (read as
+        untrusted; a stale claim, a reused pid or another host's claim: no wait);
+        ``done()`` true ends the wait.
         """
-        return claim_holder_alive(self._claim_path(phase, i))
+        return wait_while_claimed(self._claim_path(phase, i), done)
 
     def release(self, phase, i):
         """Remove the claim on conversation ``i`` of ``phase``, whoever made it."""

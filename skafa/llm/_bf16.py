@@ -146,7 +146,17 @@ def bf16_matmul_via_float32(model, *, min_rows=MIN_ROWS):
 
 
 def uses_bf16_matmul_via_float32(model) -> bool:
-    """Whether any linear layer of ``model`` takes :func:`bf16_matmul_via_float32`'s path."""
+    """Whether any linear layer of ``model`` takes :func:`bf16_matmul_via_float32`'s path.
+
+    Parameters
+    ----------
+    model : object
+        A ``torch.nn.Module``; anything without ``modules()`` gives ``False``.
+
+    Returns
+    -------
+    uses : bool
+    """
     if _LINEAR is None:
         return False
     modules = getattr(model, "modules", None)
