@@ -478,3 +478,40 @@ def test_committed_activation_cache_entries_pass_the_caches_checks():
         assert got is not None and got.shape == shape and np.isfinite(got).all(), path
     assert cache.stats["corrupt"] == 0
     assert sorted(p.name for p in folder.iterdir()) == sorted({p.parent.name for p in paths})
+
+
+_DOC_ROWS = {"locator-head probe": "locator_probe", "top locator head": "top_locator_head",
+             "grafted judge": "grafted_judge", "prompted judge": "judge",
+             "recommended probe": "recommended", "position-only": "position",
+             "TF-IDF": "tfidf", "most frequent step": "most_frequent"}
+
+
+@pytest.mark.parametrize("marker, stem", [
+    ("locator-table", "locators_smollm2_Algorithm-Generated"),
+    ("locator-table-hand-crafted", "locators_smollm2_Hand-Crafted"),
+    ("locator-table-qwen", "locators_qwen2.5-coder-0.5b_Algorithm-Generated"),
+    ("locator-table-qwen-hand-crafted", "locators_qwen2.5-coder-0.5b_Hand-Crafted"),
+])
+def test_benchmarks_md_locator_tables_match_the_committed_result_files(marker, stem):
+    """Each §8 table in docs/benchmarks.md shows its result file's numbers (step accuracy
+    with its CI, lenient step, exact agent accuracy; percent, one decimal), every row."""
+    import re
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    text = (docs / "benchmarks.md").read_text(encoding="utf-8")
+    table = re.search(rf"<!-- {re.escape(marker)} -->\n(.*?)<!-- /{re.escape(marker)} -->",
+                      text, re.S)
+    assert table, marker
+    summary = json.loads((docs / "results" / f"{stem}.json").read_text())["summary"]
+    seen = set()
+    for line in table.group(1).splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        row = _DOC_ROWS[re.sub(r"\s*\(.*\)$", "", cells[0])]
+        s = summary[row]
+        step = s["step_accuracy"]
+        want = [f"{100 * step['estimate']:.1f} [{100 * step['low']:.1f}, {100 * step['high']:.1f}]",
+                f"{100 * s['lenient_step_accuracy']['estimate']:.1f}",
+                f"{100 * s['agent_accuracy_exact']['estimate']:.1f}"]
+        assert cells[1:] == want, (marker, row)
+        seen.add(row)
+    assert seen == set(_DOC_ROWS.values()), marker
