@@ -65,3 +65,25 @@ def who_and_when_dir() -> Path:
             "skafa.datasets.fetch_who_and_when())."
         )
     return path
+
+
+@pytest.fixture(scope="session")
+def benchmarks_md_table():
+    """``table(marker) -> (header, rows)``: the Markdown table of docs/benchmarks.md
+    between ``<!-- marker -->`` and ``<!-- /marker -->``, each row a list of cells
+    (stripped, bold removed), the separator line left out. Fails when the marker is
+    missing, so a table that moves out of its markers fails its test."""
+    import re
+
+    text = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+
+    def table(marker):
+        found = re.search(rf"<!-- {re.escape(marker)} -->\n(.*?)<!-- /{re.escape(marker)} -->",
+                          text, re.S)
+        assert found, f"no table marked {marker} in docs/benchmarks.md"
+        lines = [ln for ln in found.group(1).splitlines() if ln.startswith("|")]
+        cells = [[c.strip().replace("**", "") for c in ln.strip().strip("|").split("|")]
+                 for ln in lines]
+        return cells[0], cells[2:]
+
+    return table

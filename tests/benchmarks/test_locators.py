@@ -492,20 +492,17 @@ _DOC_ROWS = {"locator-head probe": "locator_probe", "top locator head": "top_loc
     ("locator-table-qwen", "locators_qwen2.5-coder-0.5b_Algorithm-Generated"),
     ("locator-table-qwen-hand-crafted", "locators_qwen2.5-coder-0.5b_Hand-Crafted"),
 ])
-def test_benchmarks_md_locator_tables_match_the_committed_result_files(marker, stem):
+def test_benchmarks_md_locator_tables_match_the_committed_result_files(marker, stem,
+                                                                      benchmarks_md_table):
     """Each §8 table in docs/benchmarks.md shows its result file's numbers (step accuracy
     with its CI, lenient step, exact agent accuracy; percent, one decimal), every row."""
     import re
 
     docs = Path(__file__).resolve().parents[2] / "docs"
-    text = (docs / "benchmarks.md").read_text(encoding="utf-8")
-    table = re.search(rf"<!-- {re.escape(marker)} -->\n(.*?)<!-- /{re.escape(marker)} -->",
-                      text, re.S)
-    assert table, marker
+    _, rows = benchmarks_md_table(marker)
     summary = json.loads((docs / "results" / f"{stem}.json").read_text())["summary"]
     seen = set()
-    for line in table.group(1).splitlines()[2:]:
-        cells = [c.strip() for c in line.strip("|").split("|")]
+    for cells in rows:
         row = _DOC_ROWS[re.sub(r"\s*\(.*\)$", "", cells[0])]
         s = summary[row]
         step = s["step_accuracy"]

@@ -458,3 +458,99 @@ def test_model_tag_keeps_readers_apart():
         "qwen2.5-coder-1.5b-instruct-q4_k_m"
     assert model_tag("/m/qwen2.5-coder-0.5b-instruct.gguf") == "qwen2.5-coder-0.5b-instruct"
     assert model_tag("Qwen/Qwen2.5-0.5B") == "Qwen2.5-0.5B"
+
+
+# ---------------------------------------------------------------- docs/benchmarks.md tables
+
+_DOCS = Path(__file__).resolve().parents[2] / "docs"
+_HEADLINE = "skafa (pre-registered auto)"
+_MI4AFA = "mi4afa ProbeAttributor (ag2 1.2.1)"
+_MODEL_TAGS = {"SmolLM2-135M-Instruct": "smollm2", "Qwen2.5-Coder-0.5B-Instruct": "qwen2.5-coder-0.5b",
+               "Qwen2.5-Coder-0.5B-Instruct (bfloat16)": "qwen2.5-coder-0.5b",
+               "Gemma-3-270M (base)": "gemma-3-270m"}
+
+
+def _pct(x):
+    return f"{100 * x:.1f}"
+
+
+def _ci(s):
+    return f"{_pct(s['estimate'])} [{_pct(s['low'])}, {_pct(s['high'])}]"
+
+
+def _signed_ci(d):
+    def sign(x):
+        return "0.0" if round(100 * x, 1) == 0 else f"{100 * x:+.1f}".replace("-", "−")
+    return f"{sign(d['estimate'])} [{sign(d['low'])}, {sign(d['high'])}]"
+
+
+def _prereg(tag, subset):
+    return json.loads((_DOCS / "results" / f"prereg_{tag}_{subset}.json").read_text())
+
+
+def test_benchmarks_md_section_3_algorithm_generated_table_matches_the_result_files(
+        benchmarks_md_table):
+    """§3's Algorithm-Generated table: each reader's headline with its CI and its paired
+    differences to TF-IDF, position-only and mi4afa, from the pre-registered result files."""
+    header, rows = benchmarks_md_table("prereg-table-algorithm-generated")
+    assert header[1:] == [_HEADLINE, "− TF-IDF", "− position-only", "− mi4afa"]
+    assert len(rows) == 3
+    for cells in rows:
+        r = _prereg(_MODEL_TAGS[cells[0]], "Algorithm-Generated")
+        assert r["summary"][_HEADLINE]["n"] == 100
+        want = [_ci(r["summary"][_HEADLINE]["step_accuracy"])]
+        want += [_signed_ci(r["paired"][f"{_HEADLINE} - {base}"])
+                 for base in ("TF-IDF", "position-only", _MI4AFA)]
+        assert cells[1:] == want, cells[0]
+
+
+def test_benchmarks_md_section_3_hand_crafted_table_matches_the_result_files(
+        benchmarks_md_table):
+    """§3's Hand-Crafted table: budget, headline with CI, paired differences, and the
+    baselines' accuracies named in the header and next to mi4afa's difference."""
+    header, rows = benchmarks_md_table("prereg-table-hand-crafted")
+    assert header[1:3] == ["budget", _HEADLINE]
+    assert len(rows) == 3
+    for cells in rows:
+        r = _prereg(_MODEL_TAGS[cells[0]], "Hand-Crafted")
+        s = r["summary"]
+        assert s[_HEADLINE]["n"] == 30
+        assert cells[1] == f"{r['budget']:,}", cells[0]
+        assert cells[2] == _ci(s[_HEADLINE]["step_accuracy"]), cells[0]
+        for col, base, label in ((3, "dummy: most_frequent", "best baseline (most_frequent, "),
+                                 (4, "position-only", "position-only ("),
+                                 (5, "TF-IDF", "TF-IDF (")):
+            assert header[col] == f"− {label}{_pct(s[base]['step_accuracy']['estimate'])}%)"
+            assert cells[col] == _signed_ci(r["paired"][f"{_HEADLINE} - {base}"]), (cells[0], base)
+        assert cells[6] == (f"{_signed_ci(r['paired'][f'{_HEADLINE} - {_MI4AFA}'])} "
+                            f"({_pct(s[_MI4AFA]['step_accuracy']['estimate'])}%)"), cells[0]
+        if "bfloat16" in cells[0]:
+            assert r["dtype"] == "bfloat16"
+
+
+_REMATCH_ROWS = {"skafa (pre-registered auto)": _HEADLINE, "TF-IDF (best baseline)": "TF-IDF",
+                 "mi4afa `ProbeAttributor` (ag2 1.2.1), same 1.5B model": _MI4AFA,
+                 "position-only": "position-only", "dummy: most_frequent": "dummy: most_frequent",
+                 "PromptedJudge (logprob, same 1.5B model)": "PromptedJudge (logprob)"}
+
+
+def test_benchmarks_md_section_7_tables_match_the_result_file(benchmarks_md_table):
+    """§7's 1.5B Algorithm-Generated tables: every method's step accuracy with CI, lenient
+    step, agent, within-1 and mean shift, and the paired differences, from the result file."""
+    r = _prereg("qwen2.5-coder-1.5b", "Algorithm-Generated")
+    _, rows = benchmarks_md_table("rematch-table-qwen-1.5b")
+    assert {cells[0] for cells in rows} == set(_REMATCH_ROWS)
+    for cells in rows:
+        s = r["summary"][_REMATCH_ROWS[cells[0]]]
+        shift = s["mean_abs_shift"]
+        assert cells[1:] == [_ci(s["step_accuracy"]), _pct(s["lenient_step_accuracy"]["estimate"]),
+                             _ci(s["agent_accuracy_normalized"]), _ci(s["within_1"]),
+                             f"{shift['estimate']:.2f} [{shift['low']:.2f}, {shift['high']:.2f}]"
+                             ], cells[0]
+    _, rows = benchmarks_md_table("rematch-paired-qwen-1.5b")
+    names = {"TF-IDF (the best baseline)": "TF-IDF", "position-only": "position-only",
+             "PromptedJudge (logprob)": "PromptedJudge (logprob)",
+             "mi4afa `ProbeAttributor`": _MI4AFA}
+    assert {cells[0] for cells in rows} == set(names)
+    for cells in rows:
+        assert cells[1] == _signed_ci(r["paired"][f"{_HEADLINE} - {names[cells[0]]}"]), cells[0]
