@@ -24,6 +24,8 @@ rows that still need them). ``--extract-only`` fills ``--cache-dir`` with the
 head-attention features and the recommended configuration's activations and stops.
 ``--recommended-from STORE`` reads the recommended row's outer fits from §3's fit store
 of the same cell (checked) instead of running its feature pass.
+``--keep-kv`` (with ``--resume`` and ``--cache-dir``) keeps the grafted judge's prompt
+KV caches in the cache folder until their grafts are done, beyond the run.
 ``--recheck-grafts N`` computes N graft scorings of the committed store again and
 compares them with it, bit for bit (a check that resumed stores are exact).
 """
@@ -68,6 +70,10 @@ def parse_args(argv=None):
     p.add_argument("--recheck-grafts", type=int, default=0, metavar="N",
                    help="compute N stored graft scorings of the cell's store again with "
                         "this code, compare them bit for bit with the store, and stop")
+    p.add_argument("--keep-kv", action="store_true",
+                   help="with --resume and --cache-dir: keep the grafted judge's prompt KV "
+                        "caches in the cache folder until their grafts are done, so a run "
+                        "interrupted after its head statistics reads no prompt again")
     p.add_argument("--recommended-from", default=None, metavar="STORE",
                    help="read the recommended row's outer fits from §3's fit store of the "
                         "same cell (prereg_<tag>_<subset>.partial-echo.json), checked, "
@@ -88,7 +94,8 @@ def main(argv=None):
         out=args.out, max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype,
         rows=[r.strip() for r in args.rows.split(",") if r.strip()],
         n_resamples=args.n_resamples, resume=args.resume, extract_only=args.extract_only,
-        recheck_grafts=args.recheck_grafts, recommended_from=args.recommended_from,
+        recheck_grafts=args.recheck_grafts, keep_kv=args.keep_kv,
+        recommended_from=args.recommended_from,
         judge_scores_from=args.judge_scores_from,
         command=" ".join(["python"] + sys.argv))
     if args.smoke:

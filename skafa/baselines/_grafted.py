@@ -367,17 +367,57 @@ class _KVSpill:
     chosen the heads. Keeping every cache in memory would cost about 46 KB per
     prompt token on SmolLM2 (15 GB for a Who&When subset), reading every prompt
     again costs a second forward pass. This keeps each cache in a safetensors file
-    of a private temporary folder under ``parent`` (created by this object,
-    removed by :meth:`close`; each file is deleted once its conversation's grafts
-    are done) and restores it bit for bit. Only files this object wrote are read,
-    and each is checked against the layer count, shapes and dtypes it recorded.
+    and restores it bit for bit; each file is deleted once its conversation's
+    grafts are done.
+
+    By default the files go to a private temporary folder under ``parent``
+    (created by this object, removed by :meth:`close`); only files this object
+    wrote are read, each checked against the layer count, shapes and dtypes it
+    recorded. With ``resumable`` (a digest of the graft store's signature) and
+    ``prompts`` (each conversation's prompt token ids), the folder is
+    ``parent/skafa-grafted-kv-<digest>`` and outlives the call, so a run resumed
+    after an interruption restores the caches an earlier run kept instead of
+    reading those prompts again. Such a file may come from another process, so it
+    is read only after a full check: its metadata names this store's digest, the
+    conversation and the SHA-256 of its prompt's tokens; it holds exactly one key
+    and one value tensor per layer, of the model's dtype, each shaped
+    ``(1, n_kv_heads, n_tokens, head_dim)`` with ``n_kv_heads * head_dim`` the width
+    of that layer's ``k_proj`` / ``v_proj`` and ``n_tokens`` the prompt length less the
+    answer position; and the SHA-256 of
+    its tensors' bytes matches the one it records. A file that fails any check is
+    deleted and its prompt read again (counted in ``refused``, with a warning).
     """
 
-    def __init__(self, parent):
+    def __init__(self, parent, resumable=None, prompts=None):
         parent = Path(parent)
         parent.mkdir(parents=True, exist_ok=True)
-        self.dir = Path(tempfile.mkdtemp(prefix="skafa-grafted-kv-", dir=parent))
+        self.resumable = resumable
+        self.prompts = prompts
+        self.refused = 0
+        if resumable is None:
+            self.dir = Path(tempfile.mkdtemp(prefix="skafa-grafted-kv-", dir=parent))
+        else:
+            self.dir = parent / f"skafa-grafted-kv-{resumable[:16]}"
+            if self.dir.is_symlink() or (self.dir.exists() and not self.dir.is_dir()):
+                raise ValueError(f"{self.dir} is not a folder (a link or a file): the "
+                                 "grafted judge keeps its KV caches only in a folder of its own.")
+            self.dir.mkdir(exist_ok=True)
         self.kept = {}  # i -> (path, [(shape, dtype) per tensor name])
+
+    def _prompt_digest(self, i):
+        tokens = np.asarray(self.prompts[int(i)], dtype=np.int64)[:-1]
+        return hashlib.sha256(tokens.astype("<i8").tobytes()).hexdigest()
+
+    @staticmethod
+    def _tensor_digest(tensors):
+        import torch
+
+        h = hashlib.sha256()
+        for name in sorted(tensors):
+            t = tensors[name]
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+            h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
 
     def put(self, i, cache):
         from safetensors.torch import save_file
@@ -386,8 +426,21 @@ class _KVSpill:
         for layer, (k, v) in enumerate(_cache_tensors(cache)):
             tensors[f"k{layer}"], tensors[f"v{layer}"] = k.contiguous(), v.contiguous()
         path = self.dir / f"{int(i)}.safetensors"
-        save_file(tensors, str(path))
+        metadata = None
+        if self.resumable is not None:
+            metadata = {"format": "skafa.grafted-kv", "version": "1",
+                        "store": self.resumable, "conversation": str(int(i)),
+                        "prompt_sha256": self._prompt_digest(i),
+                        "sha256": self._tensor_digest(tensors)}
+        partial = self.dir / f".{int(i)}.{os.getpid()}.partial"
+        save_file(tensors, str(partial), metadata=metadata)
+        os.replace(partial, path)  # another process never sees half a file
         self.kept[int(i)] = (path, {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()})
+
+    def holds(self, i):
+        """Whether a cache of conversation ``i`` waits here (kept now or by an earlier run)."""
+        return int(i) in self.kept or (self.resumable is not None and
+                                       (self.dir / f"{int(i)}.safetensors").is_file())
 
     def take(self, i, lm):
         """The cache kept for conversation ``i`` (its file removed), or ``None``."""
@@ -395,16 +448,23 @@ class _KVSpill:
 
         entry = self.kept.pop(int(i), None)
         if entry is None:
-            return None
-        path, expected = entry
-        try:
-            tensors = load_file(str(path))
-        finally:
-            path.unlink(missing_ok=True)
-        got = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
-        if got != expected:
-            raise RuntimeError(f"the KV cache kept in {path} changed on disk (shapes or "
-                               "dtypes differ from what was written); rerun the call.")
+            if self.resumable is None:
+                return None
+            tensors = self._take_resumed(int(i), lm)
+            if tensors is None:
+                return None
+            n_layers = len(tensors) // 2
+        else:
+            path, expected = entry
+            try:
+                tensors = load_file(str(path))
+            finally:
+                path.unlink(missing_ok=True)
+            got = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
+            if got != expected:
+                raise RuntimeError(f"the KV cache kept in {path} changed on disk (shapes or "
+                                   "dtypes differ from what was written); rerun the call.")
+            n_layers = len(expected) // 2
         from transformers import DynamicCache
 
         try:
@@ -412,14 +472,76 @@ class _KVSpill:
         except TypeError:  # transformers 4 takes no config
             cache = DynamicCache()
         device = decoder_layout(lm).embedding.weight.device
-        for layer in range(len(expected) // 2):
+        for layer in range(n_layers):
             cache.update(tensors[f"k{layer}"].to(device), tensors[f"v{layer}"].to(device),
                          layer)
         return cache
 
+    def _take_resumed(self, i, lm):
+        """An earlier run's cache of conversation ``i``, fully checked, or ``None``."""
+        from safetensors import safe_open
+
+        path = self.dir / f"{i}.safetensors"
+        if not os.path.lexists(path):
+            return None
+        tensors, why = None, "it is not a plain file (a link or a folder)"
+        if not path.is_symlink() and path.is_file():
+            try:
+                got = self._check_resumed(i, path, lm, safe_open)
+                tensors, why = (got, None) if isinstance(got, dict) else (None, got)
+            except Exception as exc:  # unreadable: a damaged or foreign file
+                why = f"it is unreadable ({type(exc).__name__}: {exc})"
+        if path.is_symlink() or path.is_file():
+            path.unlink(missing_ok=True)  # a link itself, never what it names
+        if tensors is None:
+            self.refused += 1
+            warnings.warn(f"KV cache {path} of conversation {i} refused: {why}; its prompt "
+                          "is read again.", RuntimeWarning, stacklevel=3)
+        return tensors
+
+    def _check_resumed(self, i, path, lm, safe_open):
+        layout = decoder_layout(lm)
+        dtype = layout.embedding.weight.dtype
+        n_tokens = len(self.prompts[i]) - 1
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            want = {"format": "skafa.grafted-kv", "version": "1", "store": self.resumable,
+                    "conversation": str(i), "prompt_sha256": self._prompt_digest(i)}
+            for key, value in want.items():
+                if meta.get(key) != value:
+                    return f"its metadata's {key!r} is {meta.get(key)!r}, not {value!r}"
+            names = sorted(f.keys())
+            expected = sorted(f"{kv}{layer}" for layer in range(layout.n_layers)
+                              for kv in "kv")
+            if names != expected:
+                return (f"it holds {len(names)} tensors, not the key and value of each of "
+                        f"{layout.n_layers} layers")
+            for name in names:
+                shape = tuple(f.get_slice(name).get_shape())
+                layer = layout.layers[int(name[1:])]
+                width = getattr(getattr(layer.self_attn, f"{name[0]}_proj", None),
+                                "out_features", None)
+                if (len(shape) != 4 or shape[0] != 1 or shape[2] != n_tokens
+                        or (width is not None and shape[1] * shape[3] != width)):
+                    return (f"tensor {name} is shaped {shape}, not (1, heads, {n_tokens}, "
+                            f"head_dim) with heads x head_dim = {width}")
+            tensors = {name: f.get_tensor(name) for name in names}
+        for name, t in tensors.items():
+            if t.dtype != dtype:
+                return f"tensor {name} is {t.dtype}, the model computes in {dtype}"
+        if self._tensor_digest(tensors) != meta.get("sha256"):
+            return "its tensors' SHA-256 differs from the one it records"
+        return tensors
+
     def close(self):
         self.kept.clear()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.resumable is None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            return
+        for partial in self.dir.glob(f".*.{os.getpid()}.partial"):
+            partial.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.dir.rmdir()  # only once every prompt's grafts are done
 
 
 def _direct_from_captured(lm, layout, captured, tokens):
@@ -1108,8 +1230,8 @@ n_conversations_fit_
                 store.save()
         grafted = sorted(i for i, configs in requests.items()
                          if any(_active(c, mix) for c in configs))
-        if kv is not None:  # the prompts whose KV cache this process kept first: no reread
-            grafted.sort(key=lambda i: int(i) not in kv.kept)
+        if kv is not None:  # the prompts whose KV cache waits on disk first: no reread
+            grafted.sort(key=lambda i: (int(i) not in kv.kept, not kv.holds(i)))
         start = time.perf_counter()
         total = sum(sum(_active(c, mix) for c in requests[i]) for i in grafted)
         scored, done = 0, 0
@@ -1162,8 +1284,13 @@ n_conversations_fit_
         return [scores[i, config] for i in range(len(convs))]
 
     @fit_context(prefer_skip_nested_validation=True)
-    def _split_predictions(self, X, y, splits, groups, store, kv_dir=None):
+    def _split_predictions(self, X, y, splits, groups, store, kv_dir=None, keep_kv=False):
         """:func:`grafted_split_predictions` on this (unfitted copy of the) judge."""
+        if not isinstance(keep_kv, bool):
+            raise TypeError(f"keep_kv must be a bool, got {keep_kv!r}.")
+        if keep_kv and (store is None or kv_dir is None):
+            raise ValueError("keep_kv=True needs both store and kv_dir: the kept KV caches "
+                             "belong to the store's run.")
         pairs = self._pairs()
         convs, lm, tokenizer = self._fit_model(X, None)
         steps = self._check_decisive_steps(y, convs)
@@ -1173,7 +1300,13 @@ n_conversations_fit_
             store = self._open_store(store, convs, steps, plan, lm)
             log(self, 1, f"store {store.path}: head statistics of {len(store.stats)} and "
                          f"{len(store.scores)} graft scorings kept from an earlier run")
-        kv = None if kv_dir is None else _KVSpill(kv_dir)
+        kv = None
+        if kv_dir is not None and keep_kv:
+            digest = hashlib.sha256(json.dumps(store.signature, sort_keys=True)
+                                    .encode("utf-8")).hexdigest()
+            kv = _KVSpill(kv_dir, resumable=digest, prompts=plan.prefixes)
+        elif kv_dir is not None:
+            kv = _KVSpill(kv_dir)
         try:
             return self._split_predictions_with(convs, lm, plan, steps, splits, groups, pairs,
                                                 store, kv)
@@ -1284,7 +1417,7 @@ n_conversations_fit_
 
 
 def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None, store=None,
-                              kv_dir=None):
+                              kv_dir=None, keep_kv=False):
     """Test predictions of a :class:`GraftedJudge` fitted on each split's training part.
 
     The result equals, split by split, ::
@@ -1340,6 +1473,17 @@ def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None, store
         a process killed outright (SIGKILL, or SIGTERM without a handler that
         raises) leaves its ``skafa-grafted-kv-*`` folder, to be removed by hand.
         ``None``: prompts are read twice and nothing is written.
+    keep_kv : bool, default=False
+        With ``store`` and ``kv_dir``: keep the caches in
+        ``kv_dir/skafa-grafted-kv-<digest of the store's signature>`` beyond the
+        call, so a run resumed after an interruption (or one sharing the store)
+        restores the caches an earlier run kept and reads none of those prompts
+        again (same predictions, bit for bit). Each file is deleted once its
+        conversation's grafts are done, the folder once it is empty. A file there is
+        read only after it passes every check (its store digest, conversation and
+        prompt-token SHA-256; one key and value per layer of the model's dtype and
+        the prompt's length; the SHA-256 of its tensors); one that fails is deleted
+        and its prompt read again, with a ``RuntimeWarning``.
 
     Returns
     -------
@@ -1364,7 +1508,7 @@ def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None, store
                         f"{type(judge).__name__}.")
     from sklearn.base import clone
 
-    return clone(judge)._split_predictions(X, y, list(splits), groups, store, kv_dir)
+    return clone(judge)._split_predictions(X, y, list(splits), groups, store, kv_dir, keep_kv)
 
 
 def recheck_graft_store(judge, X, y=None, *, store, n_scorings=20):

@@ -119,6 +119,10 @@ class LocatorBenchmarkSettings:
     ``extract_only=True`` fills ``cache_dir`` with the whole-set features and stops;
     ``recheck_grafts=N`` computes N stored graft scorings of the cell's store again
     and compares them, and stops (see :func:`run_locator_benchmark`).
+    ``keep_kv=True`` (with ``resume`` and ``cache_dir``) keeps the grafted judge's
+    prompt KV caches in ``cache_dir`` until their grafts are done, beyond the run
+    (``keep_kv`` of :func:`skafa.baselines.grafted_split_predictions`), so a run
+    interrupted between its head statistics and its grafts reads no prompt again.
     """
 
     model: str = "smollm2"
@@ -139,6 +143,7 @@ class LocatorBenchmarkSettings:
     n_resamples: int = 2000
     extract_only: bool = False
     recheck_grafts: int = 0
+    keep_kv: bool = False
     recommended_from: str | None = None
     judge_scores_from: str | None = None
     resume: bool = False
@@ -311,7 +316,8 @@ def _fits_grafted_judge(cell, todo):
     s = cell.settings
     predictions, fits = grafted_split_predictions(
         _grafted_judge(cell), cell.convs, cell.y, [(train, test) for _, _, train, test in todo],
-        groups=cell.groups, store=cell.graft_store, kv_dir=s.cache_dir)
+        groups=cell.groups, store=cell.graft_store, kv_dir=s.cache_dir,
+        keep_kv=bool(s.keep_kv))
     for (r, f, _, _), pred, info in zip(todo, predictions, fits):
         yield r, f, pred, info
 
@@ -565,6 +571,10 @@ def _run_locator_benchmark(settings, conversations, subset_label, log):
     if settings.extract_only and not settings.cache_dir:
         raise ValueError("extract_only (--extract-only) needs cache_dir (--cache-dir): "
                          "without a cache the extracted features would not be kept.")
+    if settings.keep_kv and not (settings.resume and settings.cache_dir):
+        raise ValueError("keep_kv (--keep-kv) needs resume (--resume) and cache_dir "
+                         "(--cache-dir): the KV caches are kept for the grafted judge's "
+                         "store, in the cache folder.")
     t_all = time.perf_counter()
     subset = subset_label or settings.subset
     convs, tag, y, groups, model, tokenizer, ctx, budget = _open_cell(settings, conversations)

@@ -454,6 +454,122 @@ def test_kv_spill_refuses_a_changed_file_and_cleans_up_after_an_error(tiny, conv
     assert list((tmp_path / "kv").iterdir()) == []
 
 
+def _interrupted_after_the_statistics(monkeypatch, judge, convs, y, splits, groups, store,
+                                      kv_dir):
+    """Run with ``keep_kv`` until the head statistics are stored, then interrupt."""
+    from skafa.baselines import _grafted, grafted_split_predictions
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(_grafted.GraftedJudge, "_graft_scores", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            grafted_split_predictions(judge, convs, y, splits, groups=groups, store=store,
+                                      kv_dir=kv_dir, keep_kv=True)
+    (folder,) = kv_dir.glob("skafa-grafted-kv-*")
+    return folder
+
+
+def _count_reads(monkeypatch):
+    """Per _AnswerSession: whether it read its prompt (no KV cache given)."""
+    from skafa.baselines import _grafted
+
+    real, reads = _grafted._AnswerSession.__init__, []
+
+    def counting(self, lm, prefix, *args, cache=None, **kwargs):
+        reads.append(cache is None)
+        real(self, lm, prefix, *args, cache=cache, **kwargs)
+
+    monkeypatch.setattr(_grafted._AnswerSession, "__init__", counting)
+    return reads
+
+
+@pytest.mark.parametrize("name", [LLAMA, QWEN])
+def test_keep_kv_resumes_the_graft_pass_without_reading_a_prompt_again(tiny, convs, name,
+                                                                        tmp_path, monkeypatch):
+    """Interrupted after its head statistics, a keep_kv run resumed from its store reads
+    no prompt again and predicts what an uninterrupted run predicts, bit for bit."""
+    from skafa.baselines import grafted_split_predictions
+
+    groups, y, splits, judge = _split_case(convs)
+    judge.set_params(model=name)
+    expected, fits = grafted_split_predictions(judge, convs, y, splits, groups=groups,
+                                               store=tmp_path / "plain.json")
+    store, kv_dir = tmp_path / "graft.json", tmp_path / "kv"
+    folder = _interrupted_after_the_statistics(monkeypatch, judge, convs, y, splits, groups,
+                                               store, kv_dir)
+    assert len(json.loads(store.read_text())["stats"]) == len(convs)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        f"{i}.safetensors" for i in range(len(convs)))
+    reads = _count_reads(monkeypatch)
+    got, got_fits = grafted_split_predictions(judge, convs, y, splits, groups=groups,
+                                              store=store, kv_dir=kv_dir, keep_kv=True)
+    assert _same(got, expected) and got_fits == fits
+    assert len(reads) == len(convs) and not any(reads)  # every cache restored, none reread
+    assert list(kv_dir.iterdir()) == []  # every file taken, the folder removed
+
+
+def test_keep_kv_refuses_every_damaged_or_foreign_file_and_rereads_its_prompt(
+        tiny, convs, tmp_path, monkeypatch):
+    """Flipped bytes, another store's file, a wrong shape, garbage and a link: each is
+    refused with a warning naming the conversation, deleted (the link, not its target), and
+    its prompt read again; the predictions stay those of an uninterrupted run."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from skafa.baselines import grafted_split_predictions
+
+    groups, y, splits, judge = _split_case(convs)
+    expected, _ = grafted_split_predictions(judge, convs, y, splits, groups=groups)
+    store, kv_dir = tmp_path / "graft.json", tmp_path / "kv"
+    folder = _interrupted_after_the_statistics(monkeypatch, judge, convs, y, splits, groups,
+                                               store, kv_dir)
+    data = bytearray((folder / "0.safetensors").read_bytes())
+    data[-3] ^= 0x55  # one value of the last tensor changed
+    (folder / "0.safetensors").write_bytes(bytes(data))
+    with safe_open(str(folder / "1.safetensors"), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(folder / "1.safetensors"), metadata={**meta, "store": "0" * 64})
+    with safe_open(str(folder / "2.safetensors"), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    save_file({k: t[:, :, :-1].contiguous() for k, t in tensors.items()},
+              str(folder / "2.safetensors"), metadata=meta)  # one token short
+    (folder / "3.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"{}garbage")
+    target = tmp_path / "elsewhere.safetensors"
+    target.write_bytes((folder / "4.safetensors").read_bytes())
+    (folder / "4.safetensors").unlink()
+    (folder / "4.safetensors").symlink_to(target)
+    reads = _count_reads(monkeypatch)
+    with pytest.warns(RuntimeWarning, match="refused") as caught:
+        got, _ = grafted_split_predictions(judge, convs, y, splits, groups=groups, store=store,
+                                           kv_dir=kv_dir, keep_kv=True)
+    assert _same(got, expected)
+    refused = sorted(str(w.message).split(" of conversation ")[1].split(" ")[0]
+                     for w in caught if "refused" in str(w.message))
+    assert refused == ["0", "1", "2", "3", "4"]
+    assert sum(reads) == 5 and len(reads) == len(convs)
+    assert target.is_file() and list(kv_dir.iterdir()) == []
+    messages = " ".join(str(w.message) for w in caught)
+    for why in ("SHA-256 differs", "'store'", "shaped", "unreadable", "not a plain file"):
+        assert why in messages, why
+
+
+def test_keep_kv_is_checked(tiny, convs, tmp_path):
+    from skafa.baselines import _grafted, grafted_split_predictions
+
+    groups, y, splits, judge = _split_case(convs)
+    with pytest.raises(ValueError, match="needs both store and kv_dir"):
+        grafted_split_predictions(judge, convs, y, splits, groups=groups, kv_dir=tmp_path,
+                                  keep_kv=True)
+    with pytest.raises(TypeError, match="keep_kv must be a bool"):
+        grafted_split_predictions(judge, convs, y, splits, groups=groups, keep_kv="yes")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "skafa-grafted-kv-0123456789abcdef").symlink_to(tmp_path / "real")
+    with pytest.raises(ValueError, match="not a folder"):
+        _grafted._KVSpill(tmp_path, resumable="0123456789abcdef" * 4, prompts=[])
+
+
 def test_split_predictions_validate_like_fit(tiny, convs):
     from skafa.baselines import grafted_split_predictions
 

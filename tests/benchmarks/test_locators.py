@@ -212,6 +212,31 @@ def test_resume_refuses_a_store_of_other_settings(tmp_path):
         bench.main(args[:2] + ["position"] + args[3:])
 
 
+def test_keep_kv_runs_the_grafted_judge_with_its_kv_kept_and_is_checked(tmp_path, monkeypatch):
+    """--keep-kv needs --resume and --cache-dir; with them the grafted judge keeps its
+    prompt KV caches for its store (keep_kv=True) and leaves no folder once done."""
+    bench = _load("benchmark_locators")
+    out, cache = tmp_path / "out", tmp_path / "c"
+    for missing in (["--resume"], ["--cache-dir", str(cache)]):
+        with pytest.raises(ValueError, match="keep_kv .--keep-kv. needs resume"):
+            bench.main(["--smoke", "--rows", "grafted_judge", "--out", str(out), "--keep-kv",
+                        *missing])
+    seen = []
+    real = locators.grafted_split_predictions
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["keep_kv"], kwargs["kv_dir"], kwargs["store"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(locators, "grafted_split_predictions", spy)
+    result = bench.main(["--smoke", "--rows", "grafted_judge", "--out", str(out), "--resume",
+                         "--cache-dir", str(cache), "--keep-kv"])
+    assert seen and all(keep is True and kv == str(cache) and store is not None
+                        for keep, kv, store in seen)
+    assert "grafted_judge" in result["rows"] and "grafted_judge" not in result["missing_rows"]
+    assert list(cache.glob("skafa-grafted-kv-*")) == []
+
+
 def test_extract_only_fills_the_cache_and_writes_no_result(tmp_path):
     bench = _load("benchmark_locators")
     out, cache = tmp_path / "out", tmp_path / "c"
