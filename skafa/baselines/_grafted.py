@@ -48,6 +48,7 @@ from ..llm import (
     banded_sliding_window_attention,
     conversation_content,
     decoder_layout,
+    forward_flops,
     has_sliding_window,
     head_attention_rows,
     turn_attention_mass,
@@ -1136,9 +1137,19 @@ n_conversations_fit_
                               plan.pad_id, cache=cache)
 
     def _head_statistics(self, lm, convs, plan, steps, store=None, kv=None):
-        """Per conversation and head: mass on the decisive turn, direct-effect contrast."""
+        """Per conversation and head: mass on the decisive turn, direct-effect contrast.
+
+        With ``verbose``, a bar weighted by each prompt's forward FLOPs shows this
+        process's pace and ETA (a conversation stored earlier or by another process
+        sharing ``store`` leaves its total).
+        """
         locator, writer = {}, {}
-        start = time.perf_counter()
+        bar, counted = None, set()
+        if self.verbose and self.verbose > 0:
+            from ..utils.progress import WorkBar
+
+            bar = WorkBar(forward_flops(lm, [len(p) for p in plan.prefixes]),
+                          "skafa: grafted judge head statistics")
 
         def compute(i, enc):
             firsts = [int(c[0]) for c in plan.continuations[i]]
@@ -1162,18 +1173,28 @@ n_conversations_fit_
                 store.stats[i] = (np.asarray(locator[i], dtype=np.float64),
                                   np.asarray(writer[i], dtype=np.float64))
                 store.save()
-            self._log(start, len(locator), len(convs), [i], convs, [len(plan.prefixes[i])])
+            if bar is not None:
+                counted.add(i)
+                bar.done(i)
 
         def stored(i):  # also what another process sharing the store has finished
             if store is not None and i not in store.stats:
                 store.refresh()
             if store is not None and i in store.stats:
                 locator[i], writer[i] = store.stats[i]
+                if bar is not None and i not in counted:  # not this process's work
+                    counted.add(i)
+                    bar.elsewhere(i)
+                    bar.done(i)
                 return True
             return False
 
-        for i in _shared_order(range(len(plan.encodings)), store, "stats", stored):
-            compute(i, plan.encodings[i])
+        try:
+            for i in _shared_order(range(len(plan.encodings)), store, "stats", stored):
+                compute(i, plan.encodings[i])
+        finally:
+            if bar is not None:
+                bar.close()
         order = range(len(plan.encodings))
         return (np.stack([locator[i] for i in order]).astype(np.float64),
                 np.stack([writer[i] for i in order]).astype(np.float64))

@@ -826,6 +826,43 @@ def test_the_graft_pass_takes_the_prompts_whose_kv_it_kept_first(tiny, convs, tm
     assert list((tmp_path / "kv").iterdir()) == []
 
 
+def test_head_statistics_show_a_flop_weighted_bar_of_this_process_s_work(tiny, convs,
+                                                                        tmp_path, monkeypatch):
+    """With verbose, the statistics pass shows a WorkBar over every prompt's forward FLOPs;
+    conversations found in the store leave its total (elsewhere), all are counted done."""
+    from skafa.baselines import grafted_split_predictions
+    from skafa.utils import progress
+
+    groups, y, splits, judge = _split_case(convs)
+    path = tmp_path / "graft.json"
+    grafted_split_predictions(judge, convs, y, splits, groups=groups, store=path)
+    data = json.loads(path.read_text())  # an earlier run kept the statistics of 0 and 1 only
+    data["stats"] = [entry for entry in data["stats"] if entry[0] in (0, 1)]
+    path.write_text(json.dumps(data))
+    bars = []
+
+    class Recording(progress.WorkBar):
+        def __init__(self, cost, desc, **kwargs):
+            super().__init__(cost, desc, **kwargs)
+            self.log = {"cost": list(self.cost), "desc": desc, "elsewhere": [], "done": []}
+            bars.append(self.log)
+
+        def elsewhere(self, j, flag=True):
+            self.log["elsewhere"].append(int(j))
+            super().elsewhere(j, flag)
+
+        def done(self, j):
+            self.log["done"].append(int(j))
+            super().done(j)
+
+    monkeypatch.setattr(progress, "WorkBar", Recording)
+    grafted_split_predictions(clone(judge).set_params(verbose=1), convs, y, splits,
+                              groups=groups, store=path)
+    (bar,) = [b for b in bars if "head statistics" in b["desc"]]
+    assert len(bar["cost"]) == len(convs) and min(bar["cost"]) > 0
+    assert sorted(bar["elsewhere"]) == [0, 1] and sorted(bar["done"]) == list(range(len(convs)))
+
+
 def test_a_conversation_a_live_process_claims_is_waited_for(tiny, convs, tmp_path,
                                                             monkeypatch):
     """A claim held by a running process of this host is waited for, not recomputed."""
