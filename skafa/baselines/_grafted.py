@@ -403,7 +403,37 @@ class _KVSpill:
                 raise ValueError(f"{self.dir} is not a folder (a link or a file): the "
                                  "grafted judge keeps its KV caches only in a folder of its own.")
             self.dir.mkdir(exist_ok=True)
+            self._remove_dead_partials()
         self.kept = {}  # i -> (path, [(shape, dtype) per tensor name])
+
+    @staticmethod
+    def _writer_tag(pid=None):
+        """``<host digest>-<pid>-<start>``: names the process writing a partial file."""
+        import socket
+
+        from ..utils.claims import process_start
+
+        pid = os.getpid() if pid is None else int(pid)
+        host = hashlib.sha256(socket.gethostname().encode("utf-8")).hexdigest()[:8]
+        return f"{host}-{pid}-{process_start(pid)}"
+
+    def _remove_dead_partials(self):
+        """Delete the half-written files of killed processes of this host.
+
+        A file is written as ``.<i>.<writer>.partial`` and renamed when complete; a
+        process killed meanwhile leaves it. One whose writer (host, pid and start
+        time) is of this host and no longer runs is removed; others are left alone.
+        """
+        mine = self._writer_tag().split("-")
+        if mine[2] == "None":  # no /proc: liveness cannot be told
+            return
+        for path in self.dir.glob(".*.partial"):
+            parts = path.name.split(".")
+            writer = parts[2].split("-") if len(parts) == 4 else []
+            if len(writer) != 3 or writer[0] != mine[0] or not writer[1].isdigit():
+                continue
+            if self._writer_tag(writer[1]).split("-")[2] != writer[2]:
+                path.unlink(missing_ok=True)
 
     def _prompt_digest(self, i):
         tokens = np.asarray(self.prompts[int(i)], dtype=np.int64)[:-1]
@@ -433,7 +463,7 @@ class _KVSpill:
                         "store": self.resumable, "conversation": str(int(i)),
                         "prompt_sha256": self._prompt_digest(i),
                         "sha256": self._tensor_digest(tensors)}
-        partial = self.dir / f".{int(i)}.{os.getpid()}.partial"
+        partial = self.dir / f".{int(i)}.{self._writer_tag()}.partial"
         save_file(tensors, str(partial), metadata=metadata)
         os.replace(partial, path)  # another process never sees half a file
         self.kept[int(i)] = (path, {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()})
@@ -539,7 +569,7 @@ class _KVSpill:
         if self.resumable is None:
             shutil.rmtree(self.dir, ignore_errors=True)
             return
-        for partial in self.dir.glob(f".*.{os.getpid()}.partial"):
+        for partial in self.dir.glob(f".*.{self._writer_tag()}.partial"):
             partial.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             self.dir.rmdir()  # only once every prompt's grafts are done
@@ -1504,7 +1534,8 @@ def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None, store
         read only after it passes every check (its store digest, conversation and
         prompt-token SHA-256; one key and value per layer of the model's dtype and
         the prompt's length; the SHA-256 of its tensors); one that fails is deleted
-        and its prompt read again, with a ``RuntimeWarning``.
+        and its prompt read again, with a ``RuntimeWarning``. A file half written by a
+        killed process of this host is removed when a later run opens the folder.
 
     Returns
     -------

@@ -570,6 +570,28 @@ def test_keep_kv_is_checked(tiny, convs, tmp_path):
         _grafted._KVSpill(tmp_path, resumable="0123456789abcdef" * 4, prompts=[])
 
 
+def test_keep_kv_removes_what_killed_writers_of_this_host_left_half_written(tmp_path):
+    """A ``.partial`` file of a process of this host that no longer runs is removed when a
+    resumable folder is opened; a live writer's and another host's are left alone."""
+    import os
+
+    from skafa.baselines import _grafted
+
+    digest = "0123456789abcdef" * 4
+    folder = tmp_path / f"skafa-grafted-kv-{digest[:16]}"
+    folder.mkdir()
+    host, pid, start = _grafted._KVSpill._writer_tag().split("-")
+    if start == "None":
+        pytest.skip("no /proc: liveness of a writer cannot be told")
+    dead = folder / f".3.{host}-{pid}-{int(start) + 1}.partial"  # this pid, another start
+    live = folder / f".4.{host}-{os.getpid()}-{start}.partial"
+    other = folder / f".5.ffffffff-{pid}-1.partial"
+    for path in (dead, live, other):
+        path.write_bytes(b"half")
+    _grafted._KVSpill(tmp_path, resumable=digest, prompts=[])
+    assert not dead.exists() and live.exists() and other.exists()
+
+
 def test_split_predictions_validate_like_fit(tiny, convs):
     from skafa.baselines import grafted_split_predictions
 
