@@ -424,15 +424,17 @@ class _KVSpill:
         process killed meanwhile leaves it. One whose writer (host, pid and start
         time) is of this host and no longer runs is removed; others are left alone.
         """
-        mine = self._writer_tag().split("-")
-        if mine[2] == "None":  # no /proc: liveness cannot be told
+        from ..utils.claims import process_start
+
+        host, _, start = self._writer_tag().split("-")
+        if start == "None":  # no /proc: liveness cannot be told
             return
         for path in self.dir.glob(".*.partial"):
             parts = path.name.split(".")
             writer = parts[2].split("-") if len(parts) == 4 else []
-            if len(writer) != 3 or writer[0] != mine[0] or not writer[1].isdigit():
+            if len(writer) != 3 or writer[0] != host or not writer[1].isdigit():
                 continue
-            if self._writer_tag(writer[1]).split("-")[2] != writer[2]:
+            if str(process_start(int(writer[1]))) != writer[2]:  # that process is gone
                 path.unlink(missing_ok=True)
 
     def _prompt_digest(self, i):
@@ -447,7 +449,7 @@ class _KVSpill:
         for name in sorted(tensors):
             t = tensors[name]
             h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-            h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            h.update(t.contiguous().view(-1).view(torch.uint8).numpy())  # no copy
         return h.hexdigest()
 
     def put(self, i, cache):
@@ -487,6 +489,8 @@ class _KVSpill:
             n_layers = len(tensors) // 2
         else:
             path, expected = entry
+            if self.resumable is not None and not path.is_file():
+                return None  # another process sharing the folder took it: read the prompt
             try:
                 tensors = load_file(str(path))
             finally:

@@ -555,6 +555,24 @@ def test_keep_kv_refuses_every_damaged_or_foreign_file_and_rereads_its_prompt(
         assert why in messages, why
 
 
+def test_a_kept_cache_another_process_took_is_read_again_not_an_error(tiny, tmp_path):
+    """In a shared resumable folder another process may take (and delete) a file this one
+    wrote: take() then gives None (the prompt is reread) instead of failing."""
+    from skafa.baselines import _grafted
+
+    lm, _ = load_model(LLAMA)
+    ids = torch.arange(5)[None]
+    with torch.inference_mode():
+        cache = lm(input_ids=ids, use_cache=True).past_key_values
+    prompts = [np.arange(6), np.arange(6)]
+    mine = _grafted._KVSpill(tmp_path, resumable="ab" * 32, prompts=prompts)
+    other = _grafted._KVSpill(tmp_path, resumable="ab" * 32, prompts=prompts)
+    mine.put(0, cache)
+    restored = other.take(0, lm)  # checked and taken by the other process
+    assert restored is not None and other.refused == 0
+    assert mine.take(0, lm) is None and not mine.dir.joinpath("0.safetensors").exists()
+
+
 def test_keep_kv_is_checked(tiny, convs, tmp_path):
     from skafa.baselines import _grafted, grafted_split_predictions
 
