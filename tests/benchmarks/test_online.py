@@ -91,3 +91,71 @@ def test_benchmark_online_paired_and_rescore(tmp_path):
     assert again["summary"] == result["summary"] and again["paired"] == result["paired"]
     assert (out / "online_smoke_synthetic.md").read_text() == md_before
     assert "paired difference" in md_before
+
+
+_DOCS = Path(__file__).resolve().parents[2] / "docs"
+_ONLINE_ROWS = {"auditor (cumulative target)": "auditor (cumulative)",
+                "auditor (hazard target)": "auditor (hazard)",
+                "position-only auditor (cumulative)": POSITION_AUDITOR,
+                "post-hoc probe argmax (offline bound)": "post-hoc probe argmax (offline bound)"}
+# column header -> (summary key, percent?)
+_ONLINE_COLUMNS = {"Exact-F1 % (b)": ("Exact-F1", True), "FAR % (b)": ("FAR", True),
+                   "Step-Acc % (a)": ("Step-Acc", True), "ASS (a)": ("ASS", False),
+                   "delay (a)": ("delay", False),
+                   "early-alarm share % (a)": ("early share", True),
+                   "miss rate % (a)": ("miss rate", True), "Agent-Acc % (a)": ("Agent-Acc", True)}
+
+
+def _online(tag):
+    return json.loads((_DOCS / "results" / f"online_{tag}_Algorithm-Generated.json").read_text())
+
+
+def _fmt(s, percent, signed=False):
+    """One estimate with its CI as §5 writes it (points or a plain 2-decimal number)."""
+    def one(x):
+        if not percent:
+            return f"{x:.2f}"
+        if not signed:
+            return f"{100 * x:.1f}"
+        return "0.0" if round(100 * x, 1) == 0 else f"{100 * x:+.1f}".replace("-", "−")
+    if s["low"] == s["high"] == s["estimate"] and not signed:
+        return one(s["estimate"])  # a figure that cannot vary (the bound never misses): no CI
+    return f"{one(s['estimate'])} [{one(s['low'])}, {one(s['high'])}]"
+
+
+@pytest.mark.parametrize("marker, tag, far", [
+    ("online-table-smollm2", "smollm2-135m", 0.05),
+    ("online-table-smollm2-far0.2", "smollm2-135m-far0.2", 0.2),
+    ("online-table-qwen-0.5b", "qwen2.5-coder-0.5b", 0.05)])
+def test_benchmarks_md_section_5_tables_match_the_result_files(benchmarks_md_table, marker, tag,
+                                                               far):
+    """§5's auditor tables: every method's figures with their CIs, from the result file of
+    the run the table names (the offline bound has no Exact-F1 or FAR: it never abstains)."""
+    r = _online(tag)
+    assert r["far_target"] == far and r["n_conversations"] == 100 and r["n_safe"] == 85
+    header, rows = benchmarks_md_table(marker)
+    assert header[1:] == list(_ONLINE_COLUMNS)
+    assert {cells[0] for cells in rows} <= set(_ONLINE_ROWS) and len(rows) >= 3
+    for cells in rows:
+        s = r["summary"][_ONLINE_ROWS[cells[0]]]
+        want = [_fmt(s[key], percent) for key, percent in _ONLINE_COLUMNS.values()]
+        if cells[0].startswith("post-hoc"):
+            want[:2] = ["—", "—"]
+        assert cells[1:] == want, (marker, cells[0])
+
+
+@pytest.mark.parametrize("marker, runs", [
+    ("online-paired-smollm2", {"0.05": "smollm2-135m", "0.2": "smollm2-135m-far0.2"}),
+    ("online-paired-qwen-0.5b", {"0.05": "qwen2.5-coder-0.5b"})])
+def test_benchmarks_md_section_5_paired_tables_match_the_result_files(benchmarks_md_table,
+                                                                      marker, runs):
+    """§5's paired differences against the position-only auditor, per target form and FAR
+    target, from the result files' paired bootstrap."""
+    header, rows = benchmarks_md_table(marker)
+    assert header[1:] == ["Exact-F1 (b)", "Step-Acc (a)", "FAR (b)"]
+    assert len(rows) == 2 * len(runs)
+    for cells in rows:
+        form, target = cells[0].split(", FAR target ")
+        paired = _online(runs[target])["paired"][f"auditor ({form}) - {POSITION_AUDITOR}"]
+        assert cells[1:] == [_fmt(paired[k], True, signed=True)
+                             for k in ("Exact-F1", "Step-Acc", "FAR")], (marker, cells[0])
