@@ -554,3 +554,69 @@ def test_benchmarks_md_section_7_tables_match_the_result_file(benchmarks_md_tabl
     assert {cells[0] for cells in rows} == set(names)
     for cells in rows:
         assert cells[1] == _signed_ci(r["paired"][f"{_HEADLINE} - {names[cells[0]]}"]), cells[0]
+
+
+def _method_key(label, keys):
+    """The result file's method a §2 row names: the label itself, or the label without
+    the note in brackets the table adds ("dummy: first (always step 0)")."""
+    if label in keys:
+        return label
+    base = label.split(" (")[0]
+    if base == "PromptedJudge":
+        return "PromptedJudge (logprob)"
+    assert base in keys, label
+    return base
+
+
+def _estimate_or_ci(cell, s):
+    """A cell that gives the estimate alone or with its CI; both must be the file's."""
+    return cell in (_pct(s["estimate"]), _ci(s))
+
+
+@pytest.mark.parametrize("marker, tag, subset, n", [
+    ("wnw-table-smollm2-ag", "smollm2-135m", "Algorithm-Generated", 100),
+    ("wnw-table-qwen-0.5b-ag", "qwen2.5-coder-0.5b", "Algorithm-Generated", 100),
+    ("wnw-table-smollm2-hc", "smollm2-135m", "Hand-Crafted", 10),
+    ("wnw-table-qwen-0.5b-hc", "qwen2.5-coder-0.5b", "Hand-Crafted", 10)])
+def test_benchmarks_md_section_2_tables_match_the_result_files(benchmarks_md_table, marker, tag,
+                                                               subset, n):
+    """§2's main-run tables: each method once (the probes, the judge and the baselines at
+    least; Hand-Crafted's tables leave three dummies to the full result), with its step accuracy
+    and CI, agent accuracy (the three rules, or one where the table says they agree),
+    within-1, mean shift and n."""
+    r = json.loads((_DOCS / "results" / f"{tag}_{subset}.json").read_text())
+    s = r["summary"]
+    header, rows = benchmarks_md_table(marker)
+    methods = [_method_key(cells[0], s) for cells in rows]
+    assert len(set(methods)) == len(methods)
+    assert {"probe", "probe + position", "multi-site probe", "position-only", "TF-IDF",
+            "PromptedJudge (logprob)", "dummy: most_frequent"} <= set(methods)
+    for cells, m in zip(rows, methods):
+        cells = [c.replace("**", "") for c in cells]
+        assert cells[1] == _ci(s[m]["step_accuracy"]), (marker, m)
+        assert cells[-1] == str(n) == str(s[m]["n"]), (marker, m)
+        rules = [s[m][f"agent_accuracy_{rule}"] for rule in ("exact", "normalized", "substring")]
+        if "exact / normalized / substring" in header[2]:
+            assert cells[2] == " / ".join(_pct(a["estimate"]) for a in rules), (marker, m)
+        else:  # one figure: the three rules agree on this subset
+            assert len({_pct(a["estimate"]) for a in rules}) == 1, (marker, m)
+            assert _estimate_or_ci(cells[2], rules[1]), (marker, m)
+        if len(cells) == 6:
+            assert cells[3] == _pct(s[m]["within_1"]["estimate"]), (marker, m)
+            assert cells[4] == f"{s[m]['mean_abs_shift']['estimate']:.2f}", (marker, m)
+        if m == "dummy: uniform":
+            assert cells[0] == f"dummy: uniform (expected {_pct(s['_uniform_expected'])})"
+
+
+@pytest.mark.parametrize("marker, tag", [("wnw-paired-smollm2-ag", "smollm2-135m"),
+                                         ("wnw-paired-qwen-0.5b-ag", "qwen2.5-coder-0.5b")])
+def test_benchmarks_md_section_2_paired_tables_match_the_result_files(benchmarks_md_table,
+                                                                      marker, tag):
+    """§2's paired differences (probe variants − baselines), from the result file."""
+    r = json.loads((_DOCS / "results" / f"{tag}_Algorithm-Generated.json").read_text())
+    _, rows = benchmarks_md_table(marker)
+    assert len(rows) >= 7
+    for cells in rows:
+        left, right = cells[0].split(" − ")
+        key = f"{left} - {_method_key(right, r['summary'])}"
+        assert cells[1] == _signed_ci(r["paired"][key]), (marker, cells[0])
