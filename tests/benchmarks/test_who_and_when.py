@@ -620,3 +620,73 @@ def test_benchmarks_md_section_2_paired_tables_match_the_result_files(benchmarks
         left, right = cells[0].split(" − ")
         key = f"{left} - {_method_key(right, r['summary'])}"
         assert cells[1] == _signed_ci(r["paired"][key]), (marker, cells[0])
+
+
+_CELLS = [("smollm2-ag", "smollm2", "Algorithm-Generated"),
+          ("qwen-0.5b-ag", "qwen2.5-coder-0.5b", "Algorithm-Generated"),
+          ("gemma-ag", "gemma-3-270m", "Algorithm-Generated"),
+          ("smollm2-hc", "smollm2", "Hand-Crafted"),
+          ("gemma-hc", "gemma-3-270m", "Hand-Crafted"),
+          ("qwen-0.5b-hc", "qwen2.5-coder-0.5b", "Hand-Crafted")]
+
+
+def _prereg_method(label, summary):
+    """The result file's method a §3 cell row names (the table shortens some names and
+    adds notes in brackets: "TF-IDF (best baseline)", "PromptedJudge (logprob, same model)")."""
+    if label.startswith("skafa"):
+        return _HEADLINE
+    if label.startswith("mi4afa"):
+        return _MI4AFA
+    if label.startswith("PromptedJudge"):
+        return "PromptedJudge (logprob)"
+    base = label.split(" (")[0]
+    assert base in summary, label
+    return base
+
+
+def _ci2(s):
+    return f"{s['estimate']:.2f} [{s['low']:.2f}, {s['high']:.2f}]"
+
+
+@pytest.mark.parametrize("cell, tag, subset", _CELLS)
+def test_benchmarks_md_section_3_cell_tables_match_the_result_files(benchmarks_md_table, cell,
+                                                                    tag, subset):
+    """Each of §3's six cells: the method table (step accuracy, normalized agent accuracy,
+    within-1 and mean shift, each with its CI), the paired differences of the auto row, and
+    per read the range of the eight fixed configurations' outer accuracies, the stacking
+    row and the range of their mean inner scores."""
+    r = _prereg(tag, subset)
+    s = r["summary"]
+    _, rows = benchmarks_md_table(f"prereg-cell-{cell}")
+    methods = [_prereg_method(cells[0], s) for cells in rows]
+    assert len(set(methods)) == len(methods)
+    assert {_HEADLINE, _MI4AFA, "PromptedJudge (logprob)", "position-only",
+            "TF-IDF", r["best_baseline"]} <= set(methods)
+    for cells, m in zip(rows, methods):
+        assert cells[1:] == [_ci(s[m]["step_accuracy"]), _ci(s[m]["agent_accuracy_normalized"]),
+                             _ci(s[m]["within_1"]), _ci2(s[m]["mean_abs_shift"])], (cell, m)
+        if "best baseline" in cells[0]:
+            assert m == r["best_baseline"], cell
+
+    _, rows = benchmarks_md_table(f"prereg-cell-paired-{cell}")
+    assert len(rows) == len(r["paired"]) >= 4
+    for cells in rows:
+        key = f"{_HEADLINE} - {_prereg_method(cells[0], s)}"
+        assert cells[1] == _signed_ci(r["paired"][key]), (cell, cells[0])
+
+    inner = _load_example("prereg_inner_scores").inner_scores(r)["mean_inner"]
+
+    def span(values):
+        lo, hi = min(values), max(values)
+        return _pct(lo) if _pct(lo) == _pct(hi) else f"{_pct(lo)}–{_pct(hi)}"
+
+    _, rows = benchmarks_md_table(f"prereg-cell-reads-{cell}")
+    assert [cells[0] for cells in rows] == ["`last`", "`recap`", "`echo`"]
+    for cells in rows:
+        read = cells[0].strip("`")
+        fixed = [k for k in r["order"] if k.startswith(f"{read}: ") and "stack(" not in k]
+        stack = next(k for k in r["order"] if k.startswith(f"{read}: stack("))
+        assert len(fixed) == 8, (cell, read)
+        assert cells[1:] == [span([s[k]["step_accuracy"]["estimate"] for k in fixed]),
+                             _pct(s[stack]["step_accuracy"]["estimate"]),
+                             span([inner[k] for k in fixed])], (cell, read)
