@@ -1,11 +1,13 @@
 """Choosing a site (layer), ensembling sites and stacking per-turn scores, on
 grouped cross-validation; nested comparisons of methods on shared outer folds, their
-resumable result stores and the pre-registered rule.
+resumable result stores and the pre-registered rule; learning curves drawn by task
+groups (how many labelled runs a framework needs).
 """
 
 # Authors: The skafa developers
 # SPDX-License-Identifier: MIT
 
+from ._learning_curve import LearningCurveResult, grouped_learning_curve
 from ._nested import (
     AGENT_MATCH_RULES,
     PREREGISTERED_HEADLINE,
@@ -47,6 +49,7 @@ __all__ = [
     "PREREGISTERED_HEADLINE",
     "FoldResultStore",
     "JudgeScoreStore",
+    "LearningCurveResult",
     "ResultStoreError",
     "SiteEnsemble",
     "SiteSelector",
@@ -54,6 +57,7 @@ __all__ = [
     "check_site_cv",
     "format_interval",
     "grid_search_C",
+    "grouped_learning_curve",
     "grouped_splits",
     "make_probe",
     "method_table",
