@@ -55,6 +55,9 @@ _EXPORTS = {
     "SiteEnsemble": "model_selection",
     "TurnScoreStacker": "model_selection",
     "site_sweep": "model_selection",
+    "grouped_learning_curve": "model_selection",
+    # runs of another framework
+    "ShiftDetector": "domain",
     # the recommended configuration and the one-call attributor
     "make_configuration": "configurations",
     "FailureAttributor": "attributor",
@@ -73,13 +76,14 @@ _EXPORTS = {
     "PromptTooLongError": "exceptions",
     "CacheCorruptionWarning": "exceptions",
     "ModelMismatchWarning": "exceptions",
+    "DistributionShiftWarning": "exceptions",
     "PersistenceVersionWarning": "exceptions",
 }
 
 #: Subpackages and public modules reachable as attributes (``skafa.metrics``, ...).
 _SUBMODULES = (
     "attributor", "base", "baselines", "benchmarks", "cli", "compose", "configurations",
-    "conversation", "datasets", "exceptions", "features", "featurizers", "integrations", "llm", "metrics",
+    "conversation", "datasets", "domain", "exceptions", "features", "featurizers", "integrations", "llm", "metrics",
     "model_selection", "online", "persistence", "probes", "report", "testing", "utils",
 )
 

@@ -10,6 +10,7 @@ __all__ = [
     "CacheCorruptionWarning",
     "ConfigurationError",
     "ConversationError",
+    "DistributionShiftWarning",
     "ModelMismatchWarning",
     "PersistenceVersionWarning",
     "PromptTooLongError",
@@ -65,3 +66,14 @@ class ModelMismatchWarning(UserWarning):
 
 class PersistenceVersionWarning(UserWarning):
     """The file was written by another version of scikit-learn or skafa."""
+
+
+class DistributionShiftWarning(UserWarning):
+    """Runs look unlike the runs a probe was trained on.
+
+    Issued by :class:`skafa.domain.ShiftDetector` (and so by a fitted
+    :class:`~skafa.FailureAttributor`) when a run's shift score exceeds the threshold
+    calibrated on held-out training runs. A probe trained on one framework scores
+    near chance on another's runs: label a few of them (``skafa label``) and refit.
+    The message names the runs.
+    """

@@ -28,7 +28,7 @@ from sklearn.utils import check_random_state
 from ..features import TurnFeatures
 from ..utils.progress import say
 from ..utils.sklearn_compat import safe_indexing
-from ..utils.validation import task_ids_of
+from ..utils.validation import check_groups, task_ids_of
 
 __all__ = ["LearningCurveResult", "grouped_learning_curve"]
 
@@ -53,11 +53,7 @@ def _join(a, b):
 
 def _groups_of(X, groups, name):
     if groups is not None:
-        groups = np.asarray(groups, dtype=object)
-        if groups.shape != (_n_samples(X),):
-            raise ValueError(f"{name} has shape {groups.shape}; expected "
-                             f"({_n_samples(X)},): one task id per conversation.")
-        return groups
+        return np.asarray(check_groups(groups, _n_samples(X)), dtype=object)
     ids = X.task_ids if isinstance(X, TurnFeatures) else task_ids_of(X)
     if ids is None or any(g is None for g in ids):
         missing = (_n_samples(X) if ids is None else sum(g is None for g in ids))

@@ -16,6 +16,7 @@ from skafa import (
     OnlineAuditor,
     PerTurn,
     PromptedJudge,
+    ShiftDetector,
     SiteConcatenator,
     SiteEnsemble,
     SiteSelector,
@@ -163,7 +164,13 @@ def _site_ensemble():
 
 
 #: class name -> function returning a list of instances
+def _shift_detector():
+    # the checks' data hold a few tasks: calibrate on two folds
+    return [ShiftDetector(n_components=2, cv=2)]
+
+
 INSTANCE_FACTORIES = {
+    "ShiftDetector": _shift_detector,
     "TurnActivationTransformer": _turn_activation_transformer,
     "PerTurn": _per_turn,
     "TurnFeatureUnion": _turn_feature_union,

@@ -1,0 +1,242 @@
+"""Does a run look like the runs a probe was trained on?"""
+
+# Authors: The skafa developers
+# SPDX-License-Identifier: MIT
+
+from __future__ import annotations
+
+import numbers
+import warnings
+
+import numpy as np
+from sklearn.base import BaseEstimator
+from sklearn.model_selection import GroupKFold
+from sklearn.utils.validation import check_is_fitted
+
+from ..base import TurnInputMixin
+from ..exceptions import DistributionShiftWarning
+from ..features import TurnFeatures, check_turn_features
+from ..utils.sklearn_compat import Interval, fit_context
+from ..utils.validation import check_groups, describe
+
+__all__ = ["ShiftDetector"]
+
+
+def _listed(names, limit=5):
+    shown = ", ".join(str(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _turn_matrix(X, sites):
+    """Turn rows of ``sites`` side by side, float64: (n_turns_total, n_sites * width)."""
+    if X.is_sparse:
+        raise TypeError("ShiftDetector reads dense features (activations); got sparse "
+                        "TurnFeatures.")
+    block = X.select_sites(list(sites)).values if X.values.ndim == 3 else X.values[:, None]
+    return np.asarray(block, dtype=np.float64).reshape(block.shape[0], -1)
+
+
+class _Reference:
+    """Standardised principal subspace of training turns; scores turns against it."""
+
+    def __init__(self, M, n_components):
+        self.mean = M.mean(axis=0)
+        scale = M.std(axis=0)
+        self.scale = np.where(scale > 0, scale, 1.0)
+        Z = (M - self.mean) / self.scale
+        k = max(1, min(n_components, Z.shape[0] - 1, Z.shape[1]))
+        _, s, vt = np.linalg.svd(Z, full_matrices=False)
+        self.components = vt[:k]
+        var = (s[:k] ** 2) / max(Z.shape[0] - 1, 1)
+        self.var = np.where(var > 0, var, 1.0)
+        resid = Z - (Z @ self.components.T) @ self.components
+        self.resid = max(float(np.mean(np.sum(resid ** 2, axis=1))), 1e-12)
+
+    def turn_scores(self, M):
+        Z = (M - self.mean) / self.scale
+        P = Z @ self.components.T
+        inside = np.mean(P ** 2 / self.var, axis=1)
+        outside = np.sum((Z - P @ self.components) ** 2, axis=1) / self.resid
+        return inside + outside
+
+
+def _per_run(turn_scores, offsets):
+    return np.add.reduceat(turn_scores, offsets[:-1]) / np.diff(offsets)
+
+
+class ShiftDetector(TurnInputMixin, BaseEstimator):
+    """Flag runs whose turn features look unlike the training runs'.
+
+    Fitted on the turn features a probe was trained on (its sites), it scores a run
+    by the mean over its turns of a distance to the training turns: the turn's
+    standardised features, whitened in the top ``n_components`` principal
+    components of the training turns, plus the energy outside them (relative to
+    the training turns'). A run is flagged when its score exceeds ``threshold_``,
+    the ``quantile`` of the scores of *held-out* training runs under a grouped
+    ``cv`` — so on runs like the training runs about ``1 - quantile`` of them are
+    flagged, by construction.
+
+    Parameters
+    ----------
+    sites : list of str, default=None
+        Site blocks to read (e.g. the probe's ``best_sites_``); None: every site.
+    n_components : int, default=20
+        Principal components of the standardised training turns.
+    quantile : float, default=0.95
+        Quantile of held-out training runs' scores used as the threshold.
+    cv : int, default=5
+        Folds of the grouped calibration (``GroupKFold``).
+
+    Attributes
+    ----------
+    sites_ : tuple of str
+        The sites read.
+    threshold_ : float
+        Scores above it are flagged.
+    calibration_scores_ : ndarray of shape (n_conversations,)
+        Held-out scores of the training runs (one per run) the threshold came from.
+    n_features_in_ : int
+        Features per turn and site.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skafa.testing import make_site_features
+    >>> from skafa.domain import ShiftDetector
+    >>> X, _ = make_site_features(n=60, n_sites=2, signal_site=0, seed=0)
+    >>> det = ShiftDetector(n_components=3).fit(X)
+    >>> other = X.with_values(X.values * 3 + 5)
+    >>> float(det.predict(X).mean()) < 0.2, bool(det.predict(other).all())
+    (True, True)
+    """
+
+    _parameter_constraints = {
+        "sites": [list, tuple, None],
+        "n_components": [Interval(numbers.Integral, 1, None, closed="left")],
+        "quantile": [Interval(numbers.Real, 0, 1, closed="neither")],
+        "cv": [Interval(numbers.Integral, 2, None, closed="left")],
+    }
+
+    def __init__(self, *, sites=None, n_components=20, quantile=0.95, cv=5):
+        self.sites = sites
+        self.n_components = n_components
+        self.quantile = quantile
+        self.cv = cv
+
+    @fit_context(prefer_skip_nested_validation=True)
+    def fit(self, X, y=None, groups=None):
+        """Fit the reference and calibrate the threshold on held-out training runs.
+
+        Parameters
+        ----------
+        X : TurnFeatures
+            The training runs' turn features.
+        y : ignored
+        groups : array-like of shape (n_conversations,), optional
+            Task ids for the grouped calibration; default ``X.task_ids``, else one
+            group per run.
+
+        Returns
+        -------
+        self : ShiftDetector
+        """
+        X = check_turn_features(X, self)
+        sites = tuple(X.sites) if self.sites is None else tuple(self.sites)
+        missing = [s for s in sites if s not in X.sites]
+        if missing:
+            raise ValueError(f"ShiftDetector: sites {_listed(missing)} are not in X "
+                             f"(it has {_listed(list(X.sites))}).")
+        if groups is None:
+            groups = (X.task_ids if X.task_ids is not None and not any(
+                g is None for g in X.task_ids) else np.arange(X.n_conversations))
+        groups = check_groups(groups, X.n_conversations)
+        n_groups = np.unique(np.asarray(groups).astype(str)).size
+        if n_groups < self.cv:
+            raise ValueError(f"ShiftDetector: {n_groups} task group(s) in X; cv={self.cv} "
+                             "needs at least as many to calibrate the threshold on "
+                             "held-out runs.")
+        M = _turn_matrix(X, sites)
+        offsets = np.asarray(X.offsets)
+        held_out = np.empty(X.n_conversations)
+        for train, test in GroupKFold(n_splits=self.cv).split(
+                np.zeros(X.n_conversations), groups=np.asarray(groups).astype(str)):
+            ref = _Reference(_rows_in_order(M, offsets, train), self.n_components)
+            test_offsets = np.concatenate([[0], np.cumsum(X.n_turns[test])])
+            held_out[test] = _per_run(ref.turn_scores(_rows_in_order(M, offsets, test)),
+                                      test_offsets)
+        self._reference = _Reference(M, self.n_components)
+        self.sites_ = sites
+        self.n_features_in_ = int(X.n_features)
+        self.calibration_scores_ = held_out
+        self.threshold_ = float(np.quantile(held_out, self.quantile))
+        return self
+
+    def score_samples(self, X):
+        """Shift score of every run (higher: less like the training runs).
+
+        Parameters
+        ----------
+        X : TurnFeatures
+
+        Returns
+        -------
+        scores : ndarray of shape (n_conversations,)
+        """
+        check_is_fitted(self)
+        X = check_turn_features(X, self)
+        if X.n_features != self.n_features_in_:
+            raise ValueError(f"ShiftDetector: X has {X.n_features} features per turn; "
+                             f"it was fitted with {self.n_features_in_}.")
+        missing = [s for s in self.sites_ if s not in X.sites]
+        if missing:
+            raise ValueError(f"ShiftDetector: X lacks the sites {_listed(missing)} it was "
+                             "fitted on.")
+        return _per_run(self._reference.turn_scores(_turn_matrix(X, self.sites_)),
+                        np.asarray(X.offsets))
+
+    def predict(self, X):
+        """Whether each run is flagged as unlike the training runs.
+
+        Parameters
+        ----------
+        X : TurnFeatures
+
+        Returns
+        -------
+        flagged : ndarray of bool, shape (n_conversations,)
+        """
+        return self.score_samples(X) > self.threshold_
+
+    def check(self, X, *, names=None, stacklevel=2):
+        """:meth:`predict`, warning with :class:`DistributionShiftWarning` if any run is flagged.
+
+        Parameters
+        ----------
+        X : TurnFeatures
+        names : sequence of str, optional
+            How to name the runs in the warning (default: their record ids where
+            known, else their positions).
+        stacklevel : int, default=2
+
+        Returns
+        -------
+        flagged : ndarray of bool, shape (n_conversations,)
+        """
+        scores = self.score_samples(X)
+        flagged = scores > self.threshold_
+        if flagged.any():
+            idx = np.flatnonzero(flagged)
+            named = [names[i] if names is not None else describe(X, i) for i in idx]
+            warnings.warn(
+                f"{idx.size} of {flagged.size} run(s) look unlike the runs the probe was "
+                f"trained on ({_listed(named)}: shift score above {self.threshold_:.3g}, "
+                f"the {self.quantile:.0%} quantile of held-out training runs). A probe "
+                "scores near chance on another framework's runs: label some of yours "
+                "(skafa label) and refit, pooled with the training runs.",
+                DistributionShiftWarning, stacklevel=stacklevel)
+        return flagged
+
+
+def _rows_in_order(M, offsets, conversations):
+    """Rows of ``M`` of the given conversations, in that order."""
+    return np.concatenate([M[offsets[i]:offsets[i + 1]] for i in conversations])
