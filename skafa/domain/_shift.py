@@ -15,7 +15,7 @@ from sklearn.utils.validation import check_is_fitted
 
 from ..base import TurnInputMixin
 from ..exceptions import DistributionShiftWarning
-from ..features import TurnFeatures, check_turn_features
+from ..features import check_turn_features
 from ..utils.sklearn_compat import Interval, fit_context
 from ..utils.validation import check_groups, describe
 
