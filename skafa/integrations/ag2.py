@@ -48,6 +48,28 @@ superseded by the durable event that follows). Any other event type is refused
 (``on_unknown="error"``, naming its index and type) or skipped with a warning
 (``on_unknown="skip"``).
 
+Missing and malformed fields
+----------------------------
+``None`` is read as ag2 types it. A ``ModelResponse`` whose ``content`` is
+``None`` (no ``message``, or ``ModelMessage(None)``) is legitimate: in ag2, as
+in OpenAI chat messages, a response that only calls tools carries no text. It
+gives no turn, whether or not it carries ``tool_calls``: its calls are the
+``ToolCallEvent`` entries that follow, and a response with neither text nor
+calls (an empty answer) has nothing to attribute, as in the other adapters
+(a trace of nothing else is refused for having no turn). A ``ToolResultEvent``
+or ``ToolErrorEvent`` without a ``name`` (ag2 allows ``None``) is spoken by
+the tool of the earlier call whose ``id`` is its ``parent_id``.
+
+Where ag2 types a field as text, anything else is a malformed event and is
+refused with a :class:`~skafa.ConversationError` naming the trace
+(``record_id``), the event's index in ``trace.events``, its type and the field:
+an empty or non-text ``agent_name`` of a task event (the turn would have no
+speaker), a tool call without a ``name``, a nameless result whose call is not
+in the trace, a non-text ``ModelResponse`` ``message.content``, and a
+``HumanMessage`` or ``HumanInputRequest`` whose ``content`` is not text (an
+empty reply ``""`` is text, and a turn). For example ``trace 'run-7': event 12
+(TaskCompleted): agent_name is ''; ...``.
+
 A delegation tool returns only after running its sub-agent (a failed sub-agent
 comes back as a result text), so its result is the sub-agent's turn; it errors
 when its call is refused before the sub-agent runs (bad arguments), so its
@@ -129,6 +151,27 @@ def _where(record_id):
     return "trace" if record_id is None else f"trace {record_id!r}"
 
 
+def _shown(value):
+    """``value`` for an error message: ``None`` or a string as such, else its type too."""
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return text if value is None or isinstance(value, str) else f"{type(value).__name__} {text}"
+
+
+def _name_field(value, field, why):
+    """A speaker-giving field of an event: refused unless non-empty text."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConversationError(f"{field} is {_shown(value)}; {why}")
+    return value
+
+
+def _text_field(value, field, why):
+    """A content field that ag2 types ``str``: refused unless text (empty is text)."""
+    if not isinstance(value, str):
+        raise ConversationError(f"{field} is {_shown(value)}, not text; {why}")
+    return value
+
+
 def _result_text(event) -> str:
     parts = []
     for part in getattr(event.result, "parts", ()) or ():
@@ -137,35 +180,95 @@ def _result_text(event) -> str:
     return "\n".join(parts)
 
 
-def _event_turn(event, agent_name, subagents, tool_calls):
-    """The Turn an event becomes, ``None`` for a non-turn, or ``NotImplemented`` if unknown."""
+def _remember_calls(event, call_names):
+    """Note ``id -> name`` of the tool calls an event carries (for nameless results)."""
+    if isinstance(event, _ev.ModelResponse):
+        calls = getattr(getattr(event, "tool_calls", None), "calls", None) or ()
+    elif isinstance(event, _ev.ToolCallsEvent):
+        calls = getattr(event, "calls", None) or ()
+    elif isinstance(event, _ev.ToolCallEvent):
+        calls = (event,)
+    else:
+        return
+    for call in calls:
+        name, call_id = getattr(call, "name", None), getattr(call, "id", None)
+        if isinstance(name, str) and name.strip() and isinstance(call_id, str):
+            call_names.setdefault(call_id, name)
+
+
+def _tool_name(event, call_names):
+    """The tool a result or error answers: its ``name``, else that of its call."""
+    name = event.name
+    if isinstance(name, str) and name.strip():
+        return name
+    parent = getattr(event, "parent_id", None)
+    known = call_names.get(parent) if isinstance(parent, str) else None
+    if known is None:
+        raise ConversationError(
+            f"name is {_shown(name)} and no earlier ToolCallEvent has id {parent!r} "
+            "(parent_id); the result cannot be given to a tool.")
+    return known
+
+
+def _check_subagents(subagents):
+    """``subagents`` as a dict of tool name -> sub-agent name, every entry checked."""
+    subagents = dict(subagents or {})
+    for tool, agent in subagents.items():
+        if not isinstance(agent, str) or not agent.strip():
+            raise ValueError(f"subagents[{tool!r}] must be the sub-agent's name (a non-empty "
+                             f"string), got {agent!r}.")
+    return subagents
+
+
+_NO_AGENT = "the agent that ran the sub-task must be named to speak its turn."
+
+
+def _event_turn(event, agent_name, subagents, tool_calls, call_names):
+    """The Turn an event becomes, ``None`` for a non-turn, or ``NotImplemented`` if unknown.
+
+    A malformed field raises a :class:`ConversationError` naming the field;
+    the caller adds the trace and the event index.
+    """
     if isinstance(event, _ev.ModelResponse):
         text = event.content
-        if isinstance(text, str) and text.strip():
-            return Turn(agent_name, text, "assistant")
-        return None
+        if text is None:  # no message, or a tool-call-only one: not a turn of its own
+            return None
+        _text_field(text, "message.content", "a model response's content must be text, "
+                    "or None when it carries only tool calls.")
+        return Turn(agent_name, text, "assistant") if text.strip() else None
     # ToolErrorEvent subclasses ToolResultEvent: test it first.
     if isinstance(event, _ev.ToolErrorEvent):
-        return Turn(f"tool:{event.name}", f"error in {event.name}: {event.error}", "tool_error")
+        name = _tool_name(event, call_names)
+        return Turn(f"tool:{name}", f"error in {name}: {event.error}", "tool_error")
     if isinstance(event, _ev.ToolResultEvent):
-        speaker = subagents.get(event.name) or f"tool:{event.name}"
+        name = _tool_name(event, call_names)
+        speaker = subagents.get(name) or f"tool:{name}"
         return Turn(speaker, _result_text(event), "tool")
     if isinstance(event, _ev.ToolCallEvent):
-        speaker = agent_name if tool_calls == "agent" else f"tool:{event.name}"
-        return Turn(speaker, f"call {event.name}({event.arguments})", "tool_call")
+        name = _name_field(event.name, "name", "a tool call must name its tool.")
+        speaker = agent_name if tool_calls == "agent" else f"tool:{name}"
+        return Turn(speaker, f"call {name}({as_text(event.arguments)})", "tool_call")
     if isinstance(event, _ev.TaskCompleted):
-        return Turn(event.agent_name, as_text(event.result), "task")
+        return Turn(_name_field(event.agent_name, "agent_name", _NO_AGENT),
+                    as_text(event.result), "task")
     if isinstance(event, _ev.TaskFailed):
-        return Turn(event.agent_name, f"failed: {event.error}", "task")
+        return Turn(_name_field(event.agent_name, "agent_name", _NO_AGENT),
+                    f"failed: {event.error}", "task")
     if isinstance(event, _ev.TaskCancelled):
-        reason = f": {event.reason}" if event.reason else ""
-        return Turn(event.agent_name, f"cancelled{reason}", "task")
+        speaker = _name_field(event.agent_name, "agent_name", _NO_AGENT)
+        reason = f": {as_text(event.reason)}" if event.reason else ""
+        return Turn(speaker, f"cancelled{reason}", "task")
     if isinstance(event, _ev.TaskExpired):
-        return Turn(event.agent_name, "expired before finishing", "task")
+        return Turn(_name_field(event.agent_name, "agent_name", _NO_AGENT),
+                    "expired before finishing", "task")
     if isinstance(event, _ev.HumanInputRequest):
-        return Turn(agent_name, f"asks the human: {event.content}", "assistant")
+        prompt = _text_field(event.content, "content", "a request for human input must "
+                             "hold its prompt as text.")
+        return Turn(agent_name, f"asks the human: {prompt}", "assistant")
     if isinstance(event, _ev.HumanMessage):
-        return Turn("human", event.content, "user")
+        reply = _text_field(event.content, "content", "a human reply must be text (an "
+                            "empty reply is '').")
+        return Turn("human", reply, "user")
     if isinstance(event, _NOT_TURNS) or getattr(type(event), "__transient__", False):
         return None
     return NotImplemented
@@ -233,9 +336,15 @@ def conversation_from_trace(
     skafa.ConversationError
         When the trace has no events, when none of its events is a turn (the
         message names the event types seen), for an unknown event type under
-        ``on_unknown="error"``, or when ``mistake_event`` is not a turn.
+        ``on_unknown="error"``, when ``mistake_event`` is not a turn, or for a
+        malformed event (see "Missing and malformed fields" in the module
+        docstring); the message names the trace (``record_id``), the event's
+        index and type, and the field.
     TypeError
         When ``trace`` has no ``events``.
+    ValueError
+        For a bad argument: ``tool_calls``, ``on_unknown``, an empty
+        ``agent_name``, or a ``subagents`` entry that is not a non-empty name.
 
     Notes
     -----
@@ -263,7 +372,7 @@ def conversation_from_trace(
         raise ValueError(f"on_unknown must be one of {_ON_UNKNOWN}, got {on_unknown!r}.")
     if not isinstance(agent_name, str) or not agent_name.strip():
         raise ValueError(f"agent_name must be a non-empty string, got {agent_name!r}.")
-    subagents = dict(subagents or {})
+    subagents = _check_subagents(subagents)
     events = getattr(trace, "events", None)
     if events is None:
         raise TypeError(f"{where}: expected an ag2.eval.Trace, got {type(trace).__name__}.")
@@ -271,10 +380,15 @@ def conversation_from_trace(
     if not events:
         raise ConversationError(f"{where}: the trace has no events; there is nothing to "
                                 "attribute.")
-    turns, indices, unknown = [], [], {}
+    turns, indices, unknown, call_names = [], [], {}, {}
     for i, event in enumerate(events):
-        with reading(f"{where}: event {i} ({type(event).__name__})"):
-            turn = _event_turn(event, agent_name, subagents, tool_calls)
+        label = f"{where}: event {i} ({type(event).__name__})"
+        with reading(label):
+            _remember_calls(event, call_names)
+            try:
+                turn = _event_turn(event, agent_name, subagents, tool_calls, call_names)
+            except ConversationError as exc:  # a field check, or Turn's own
+                raise ConversationError(f"{label}: {exc}") from None
         if turn is NotImplemented:
             if on_unknown == "error":
                 raise ConversationError(
@@ -396,7 +510,7 @@ class _BlameScorer:
         self.attributor = attributor
         self.key = key
         self.agent_name = agent_name
-        self.subagents = dict(subagents or {})
+        self.subagents = _check_subagents(subagents)
         self.ground_truth_field = ground_truth_field
         self.question_field = question_field
         self.tool_calls = tool_calls
@@ -468,8 +582,10 @@ def failure_attribution_scorer(
       turns with their scores and probabilities.
 
     A trace that cannot be converted (no events, no turns, an unknown event
-    type) makes the scorer raise, which ``ag2.eval`` records as a ``Feedback``
-    with ``score=None`` and the message as comment. Non-finite turn scores give
+    type, a malformed event) makes the scorer raise, which ``ag2.eval`` records
+    as a ``Feedback`` with ``score=None`` and the message as comment; the
+    message names the event's index in ``trace.events``, its type and the
+    field (the trace itself is the feedback's own). Non-finite turn scores give
     a ``Feedback`` with ``score=None``, ``value=None`` and a comment saying so —
     never a blame.
 

@@ -22,7 +22,8 @@ from sklearn.model_selection import GridSearchCV, GroupKFold, cross_val_score
 
 from ..metrics import agent_accuracy, bootstrap_ci_from_scores, lenient_step_matches
 from ..probes import GroupedArgmaxLogisticClassifier, GroupedSoftmaxClassifier
-from ._selection import SiteEnsemble, SiteSelector
+from ..utils.validation import group_labels
+from ._selection import SiteEnsemble, SiteSelector, missing_task_ids
 
 __all__ = ["AGENT_MATCH_RULES", "PREREGISTERED_HEADLINE", "format_interval", "grid_search_C",
            "make_probe", "method_table", "outer_splits", "paired_differences", "preregistered_rule",
@@ -33,6 +34,32 @@ AGENT_MATCH_RULES = ("exact", "normalized", "substring")
 
 #: The headline row of pre-registered result files: rule step 1 applied in every outer fit.
 PREREGISTERED_HEADLINE = "skafa (pre-registered auto)"
+
+
+def _check_task_groups(groups, n):
+    """``groups`` checked as one task id per conversation, none missing.
+
+    Ids of one type are returned as given (the folds of existing result files
+    stay the same); a mix of ``str`` and ``int`` becomes integer codes, ``1`` and
+    ``"1"`` two tasks (:func:`~skafa.utils.validation.group_labels`).
+    """
+    if groups is None:
+        raise ValueError("groups is None: the nested comparison groups conversations by "
+                         "task; pass one task id per conversation.")
+    values = list(np.asarray(groups, dtype=object).ravel()) if not isinstance(
+        groups, (list, tuple)) else list(groups)
+    if len(values) != n:
+        raise ValueError(f"groups has {len(values)} entries for {n} conversations; give "
+                         "one group (task id) per conversation.")
+    missing = missing_task_ids(values)
+    if missing is not None:
+        raise ValueError(
+            f"groups: {missing}; every conversation needs a task id to be kept on one side of "
+            "every split. Give each a task id (a run that shares its task with no other "
+            "gets an id of its own).")
+    if len({isinstance(t, str) for t in values}) > 1:
+        return group_labels(values)
+    return groups
 
 
 def outer_splits(y, groups, *, n_folds=5, n_repeats=3, shuffle=True):
@@ -51,6 +78,12 @@ def outer_splits(y, groups, *, n_folds=5, n_repeats=3, shuffle=True):
     -------
     splits : list of (repeat, fold, train, test)
 
+    Raises
+    ------
+    ValueError
+        When ``groups`` does not hold one task id per conversation, naming the
+        conversations (positions, the first five and a count) without one.
+
     Examples
     --------
     >>> s = outer_splits([0, 1, 0, 2], ["a", "a", "b", "c"], n_folds=2, n_repeats=1)
@@ -58,6 +91,7 @@ def outer_splits(y, groups, *, n_folds=5, n_repeats=3, shuffle=True):
     (2, (0, 0))
     """
     y = np.asarray(y)
+    groups = _check_task_groups(groups, len(y))
     if not shuffle and n_repeats != 1:
         raise ValueError(f"n_repeats={n_repeats} without shuffle repeats the same folds; "
                          "use n_repeats=1 or shuffle=True.")
@@ -93,6 +127,7 @@ def select_single_and_top(X, y, groups, X_test, *, Cs, sites, inner, n_sites, n_
         ``{1: (pred, score, info), n_sites: (pred, score, info)}``, ``info``
         holding the chosen ``C`` and ``sites``.
     """
+    groups = _check_task_groups(groups, len(y))
     best = {}
     for C in sorted(Cs):
         est = make_probe(estimator, C, random_state)
@@ -120,6 +155,7 @@ def select_single_and_top(X, y, groups, X_test, *, Cs, sites, inner, n_sites, n_
 
 def grid_search_C(X, y, groups, *, Cs, inner, n_jobs, random_state):
     """``GridSearchCV`` over C on inner grouped folds (single-block features)."""
+    groups = _check_task_groups(groups, len(y))
     gs = GridSearchCV(GroupedArgmaxLogisticClassifier(random_state=random_state),
                       {"C": sorted(Cs)}, cv=GroupKFold(inner), n_jobs=n_jobs)
     return gs.fit(X, y, groups=groups)

@@ -135,12 +135,78 @@ def _check_no_fixed_site(estimator, owner):
         )
 
 
+def _conversation_list(indices, X=None, limit=5):
+    """``"4, 9 (record 'a/9'), 11 and 2 more"``: the first ``limit`` of ``indices``.
+
+    Record ids are shown when ``X`` is a list of conversations (a
+    :class:`~skafa.TurnFeatures` carries none: its conversations are named by
+    position).
+    """
+    indices = [int(i) for i in indices]
+    record_ids = None
+    if isinstance(X, (list, tuple)):
+        record_ids = [getattr(c, "record_id", None) for c in X]
+
+    def name(i):
+        record = None if record_ids is None else record_ids[i]
+        return str(i) if record is None else f"{i} (record {record!r})"
+
+    shown = ", ".join(name(i) for i in indices[:limit])
+    more = len(indices) - limit
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def missing_task_ids(task_ids, X=None):
+    """``"2 of 8 conversations have no task id (conversations 1, 5)"``, or None.
+
+    Parameters
+    ----------
+    task_ids : sequence or None
+        One task id per conversation; ``None`` (or NaN) marks a missing one.
+    X : list of Conversation, optional
+        When given, the conversations are also named by ``record_id``.
+
+    Returns
+    -------
+    str or None
+        None when no id is missing.
+    """
+    if task_ids is None:
+        return None
+    ids = list(task_ids)
+    missing = [i for i, t in enumerate(ids) if t is None or (isinstance(t, float) and t != t)]
+    if not missing:
+        return None
+    return (f"{len(missing)} of {len(ids)} conversations have no task id "
+            f"(conversations {_conversation_list(missing, X)})")
+
+
+def _needs_groups(cv, X, task_ids):
+    """The error for a group splitter that got no groups, saying why and how to fix it."""
+    missing = missing_task_ids(task_ids, X)
+    if missing is None or all(t is None for t in task_ids):
+        return (f"the splitter {cv!r} needs groups: pass groups=<one task id per "
+                "conversation> to fit (routed automatically with metadata routing), or "
+                "use an ungrouped splitter such as KFold. X carries no task ids to stand "
+                "in for them (give the conversations task ids: Conversation(task_id=...) "
+                "or TurnFeatures(task_ids=...)).")
+    return (f"the splitter {cv!r} needs groups, and the task ids cannot stand in for "
+            f"them: {missing}. Either pass groups=<one task id per conversation> to fit "
+            "(routed automatically with metadata routing), give those conversations a "
+            "task id (Conversation(task_id=...) or TurnFeatures(task_ids=...); a run "
+            "that shares its task with no other gets an id of its own), or use an "
+            "ungrouped splitter such as KFold.")
+
+
 def grouped_splits(cv, X, y, split_params, task_ids):
     """``list(cv.split(X, y, **split_params))``, grouping by task ids by default.
 
     Without ``groups`` in ``split_params``, complete ``task_ids`` (one per
     conversation, none missing) become the groups, unless ``cv`` ignores groups;
-    a splitter that still lacks groups gets an error saying how to give them.
+    a splitter that still lacks groups gets an error saying how to give them
+    and, when only some task ids are missing, naming the conversations that
+    lack one (by position, and by ``record_id`` when ``X`` is a list of
+    conversations; the first five and a count).
     """
     split_params = dict(split_params)
     if split_params.get("groups") is not None:
@@ -152,12 +218,29 @@ def grouped_splits(cv, X, y, split_params, task_ids):
         return list(cv.split(X, y, **split_params))
     except ValueError as exc:
         if split_params.get("groups") is None and "group" in str(exc).lower():
-            raise ValueError(
-                f"the splitter {cv!r} needs groups: pass groups=<task ids> to fit "
-                "(routed automatically with metadata routing), give X task_ids, "
-                "or use an ungrouped splitter such as KFold."
-            ) from exc
+            raise ValueError(_needs_groups(cv, X, task_ids)) from exc
         raise
+
+
+def _single_turn_folds(X, splits):
+    """Why every site failed, when some training parts hold single-turn conversations only.
+
+    Returns ``""`` when every training part holds a conversation with several
+    turns, else a clause naming those folds and the multi-turn conversations.
+    """
+    n_turns = np.asarray(X.n_turns)
+    multi = np.flatnonzero(n_turns > 1)
+    folds = [k for k, (train, _) in enumerate(splits) if not np.any(n_turns[train] > 1)]
+    if not folds:
+        return ""
+    which = (f"the training part of fold {folds[0]} holds" if len(folds) == 1 else
+             f"the training parts of folds {', '.join(map(str, folds))} hold")
+    return (f": {which} only single-turn conversations, because only {multi.size} of the "
+            f"{len(n_turns)} conversations have more than one turn (conversations "
+            f"{_conversation_list(multi)}), all held out there. With one turn per "
+            "conversation there is no turn to tell apart, so the estimator cannot be "
+            "fitted there. Use fewer folds or a splitter that keeps conversations with "
+            "several turns in every training part, or add such conversations")
 
 
 def index_params(params, indices, n_samples):
@@ -371,6 +454,24 @@ class SiteSelector(DecisiveStepMixin, PersistenceMixin, MetaEstimatorMixin, Base
     ``GridSearchCV`` or ``cross_validate`` without metadata routing). With
     neither, a group splitter raises an error asking for groups.
 
+    With some conversations lacking a task id and no ``groups``, a group
+    splitter's error names them (position, first five and a count) and says how
+    to fix it: pass ``groups``, give them task ids, or use an ungrouped
+    splitter. Task ids are never guessed, and the complete ones are not used
+    for part of the data only.
+
+    **Single-turn conversations.** A conversation with one turn has only one
+    possible decisive step, so it cannot tell sites apart. When every training
+    conversation has a single turn, ``fit`` raises a ``ValueError`` before
+    fitting anything: every candidate predicts turn 0 at every site and scores
+    the same, so there is nothing to choose between, and picking a site
+    anyway (say the first, with a warning) would pass off an arbitrary choice
+    as a selection and leave a refitted estimator that learned nothing (the
+    skafa probes refuse such data themselves). When only a few conversations
+    have several turns, a fold may hold them all out of its training part;
+    the estimator then fails there at every site, and the resulting error
+    names those folds and the multi-turn conversations.
+
     **Ties.** Sites with the same mean score share a rank; the earliest of
     them in ``sites`` order is chosen (so shallower sites win ties when the
     sites are in depth order).
@@ -481,9 +582,26 @@ class SiteSelector(DecisiveStepMixin, PersistenceMixin, MetaEstimatorMixin, Base
         -------
         self : object
             Fitted selector.
+
+        Raises
+        ------
+        ValueError
+            When every conversation of ``X`` has a single turn (nothing to
+            choose between, see Notes); when a group splitter gets no groups
+            (naming the conversations without a task id, if only some lack
+            one); when no site has a finite mean score (naming the folds whose
+            training part holds single-turn conversations only, if any).
         """
         X = check_turn_features(X, self)
         y = check_steps(y, X)
+        if np.all(np.asarray(X.n_turns) == 1):
+            raise ValueError(
+                f"{type(self).__name__}: every one of the {len(X)} training conversations "
+                "has a single turn, so every candidate predicts turn 0 at every site and "
+                "scores the same: there is nothing to choose between. Fit on "
+                "conversations with at least two turns (a single-turn conversation says "
+                "nothing about which turn is decisive)."
+            )
         sites = resolve_sites(self.sites, X)
         if self.n_sites > len(sites):
             raise ConfigurationError(
@@ -523,8 +641,9 @@ class SiteSelector(DecisiveStepMixin, PersistenceMixin, MetaEstimatorMixin, Base
         if np.all(np.isnan(means)):
             raise ValueError(
                 "no site has a finite mean cross-validation score (every site failed "
-                "in at least one fold); see the FitFailedWarnings above, or set "
-                "error_score='raise' to see the first error."
+                f"in at least one fold){_single_turn_folds(X, splits)}; see the "
+                "FitFailedWarnings above, or set error_score='raise' to see the first "
+                "error."
             )
 
         stds = scores.std(axis=1)
@@ -544,7 +663,8 @@ class SiteSelector(DecisiveStepMixin, PersistenceMixin, MetaEstimatorMixin, Base
             if np.all(np.isnan(cand_scores)):
                 raise ValueError(
                     "no candidate's site average has a finite mean cross-validation "
-                    "score; see the FitFailedWarnings above, or set error_score='raise'."
+                    f"score{_single_turn_folds(X, splits)}; see the FitFailedWarnings "
+                    "above, or set error_score='raise'."
                 )
         best_cand = int(np.argmax(np.where(np.isnan(cand_scores), -np.inf, cand_scores)))
         best_index = best_cand * n_sites + best_site_of[best_cand]

@@ -245,9 +245,10 @@ class _BaseGroupedArgmax(DecisiveStepMixin, BaseEstimator):
             sample_weight = check_sample_weight(sample_weight, np.empty(len(X)))
         if np.all(X.n_turns == 1):
             raise ValueError(
-                "every training conversation has a single turn, so there is no "
-                "negative (non-decisive) turn to learn from; provide conversations "
-                "with at least two turns."
+                f"{type(self).__name__}: every one of the {len(X)} training conversations "
+                "has a single turn (its decisive step can only be turn 0), so there is no "
+                "negative (non-decisive) turn to learn from; provide conversations with "
+                "at least two turns."
             )
         labels = np.zeros(X.n_turns_total, dtype=np.int64)
         labels[X.global_turn_index(y)] = 1

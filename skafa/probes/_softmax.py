@@ -216,9 +216,10 @@ class GroupedSoftmaxClassifier(_BaseGroupedArgmax):
             sample_weight = check_sample_weight(sample_weight, np.empty(len(X)))
         if np.all(X.n_turns == 1):
             raise ValueError(
-                "every training conversation has a single turn, so there is no "
-                "choice between turns to learn from; provide conversations with at "
-                "least two turns."
+                f"{type(self).__name__}: every one of the {len(X)} training conversations "
+                "has a single turn (its decisive step can only be turn 0), so there is no "
+                "choice between turns to learn from; provide conversations with at least "
+                "two turns."
             )
         n_features = int(M.shape[1])
         M, self.active_features_ = self._fit_columns(M)
