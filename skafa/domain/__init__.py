@@ -5,12 +5,15 @@ scores near chance on another's (``docs/your-own-framework.md``).
 :class:`ShiftDetector` flags runs that look unlike the training runs, with a
 threshold calibrated on held-out training runs; a fitted
 :class:`~skafa.FailureAttributor` uses one to warn with
-:class:`~skafa.DistributionShiftWarning`.
+:class:`~skafa.DistributionShiftWarning`. :func:`standardize_per_framework` and
+:func:`coral` are the pre-registered unsupervised adaptations (they read a framework's
+unlabelled runs); :func:`label_priority` orders unlabelled runs for labelling.
 """
 
 # Authors: The skafa developers
 # SPDX-License-Identifier: MIT
 
+from ._adaptation import coral, label_priority, standardize_per_framework
 from ._shift import ShiftDetector
 
-__all__ = ["ShiftDetector"]
+__all__ = ["ShiftDetector", "coral", "label_priority", "standardize_per_framework"]

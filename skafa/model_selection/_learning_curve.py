@@ -239,7 +239,7 @@ class LearningCurveResult:
 def grouped_learning_curve(estimator, X, y, *, groups=None,
                            train_sizes=(0, 5, 10, 20, 1.0), n_draws=20, n_splits=5,
                            X_source=None, y_source=None, groups_source=None,
-                           random_state=None, verbose=0):
+                           label_order=None, random_state=None, verbose=0):
     """Step accuracy against the number of labelled runs, drawn by task groups.
 
     For every draw, the target runs ``X`` are split by a freshly shuffled
@@ -276,6 +276,12 @@ def grouped_learning_curve(estimator, X, y, *, groups=None,
     groups_source : array-like, optional
         Their task ids (default: their own); prefixed so they never equal a
         target task.
+    label_order : array-like of float, shape (n_conversations,), optional
+        Simulates a labelling order instead of random draws: in every fold the
+        ``k`` runs of the training part with the *lowest* values are labelled
+        (e.g. the margin between a probe's two most probable turns,
+        :func:`skafa.domain.label_priority`). Draws then differ only by their folds,
+        so a comparison with random draws on the same ``random_state`` is paired.
     random_state : int, RandomState instance or None, default=None
         Seeds the folds and the draws.
     verbose : int, default=0
@@ -308,6 +314,11 @@ def grouped_learning_curve(estimator, X, y, *, groups=None,
     if n_tasks < n_splits:
         raise ValueError(f"X holds {n_tasks} task(s); n_splits={n_splits} needs at "
                          "least as many.")
+    if label_order is not None:
+        label_order = np.asarray(label_order, dtype=float)
+        if label_order.shape != (n,) or not np.isfinite(label_order).all():
+            raise ValueError(f"label_order must hold {n} finite values (one per run); "
+                             f"got shape {label_order.shape}.")
     pooled = X_source is not None
     if pooled:
         if y_source is None:
@@ -331,7 +342,10 @@ def grouped_learning_curve(estimator, X, y, *, groups=None,
             for f, (train, test) in enumerate(cv.split(np.zeros(n), y, groups.astype(str))):
                 k = size if isinstance(size, int) else int(round(size * train.size))
                 k = min(k, train.size)
-                picked = _draw_by_groups(train, groups, k, draw_rng)
+                if label_order is None:
+                    picked = _draw_by_groups(train, groups, k, draw_rng)
+                else:
+                    picked = np.sort(train[np.argsort(label_order[train], kind="stable")[:k]])
                 n_lab[i, d, f] = picked.size
                 if picked.size == 0 and not pooled:
                     continue

@@ -128,3 +128,35 @@ def test_errors_name_the_problem():
         grouped_learning_curve(est, X, y, X_source=X)
     with pytest.raises(ValueError, match="n_draws"):
         grouped_learning_curve(est, X, y, n_draws=0)
+
+
+def test_label_order_takes_the_lowest_of_each_training_part():
+    X, y = _data()
+    order = np.arange(30, dtype=float)[::-1]  # the last runs first
+    res = grouped_learning_curve(GroupedArgmaxLogisticClassifier(), X, y, train_sizes=[4],
+                                 n_draws=1, random_state=0, label_order=order)
+    assert (res.n_labelled == 4).all() and np.isfinite(res.hits).all()
+
+    from sklearn.base import BaseEstimator
+
+    seen = []
+
+    class Spy(BaseEstimator):
+        def fit(self, X, y):
+            seen.append(X.n_turns.tolist())
+            return self
+
+        def predict(self, X):
+            return np.zeros(X.n_conversations, dtype=int)
+
+    grouped_learning_curve(Spy(), X, y, train_sizes=[4], n_draws=1, random_state=0,
+                           label_order=order)
+    folds = list(__import__("sklearn.model_selection", fromlist=["GroupKFold"]).GroupKFold(
+        5, shuffle=True, random_state=int(np.random.RandomState(0).randint(
+            np.iinfo(np.int32).max, size=1)[0])).split(np.zeros(30), y, X.task_ids))
+    for (train, _), fitted in zip(folds, seen):
+        expected = np.sort(train[np.argsort(order[train])[:4]])
+        assert fitted == X.n_turns[expected].tolist()
+    with pytest.raises(ValueError, match="label_order must hold 30"):
+        grouped_learning_curve(GroupedArgmaxLogisticClassifier(), X, y, train_sizes=[4],
+                               label_order=order[:-1])
