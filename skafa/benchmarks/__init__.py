@@ -2,8 +2,9 @@
 online-auditing benchmark over
 :mod:`skafa.model_selection`'s nested-comparison machinery, and the peers it is compared
 with (the prompted judge, mi4afa); the extraction benchmark (skafa's extraction next to a
-bare forward pass, nnsight, TransformerLens and mi4afa); and the main job (the
-quickstart's steps). The scripts under ``examples/`` are their commands.
+bare forward pass, nnsight, TransformerLens and mi4afa); the main job (the
+quickstart's steps); and the transfer study between two frameworks
+(``docs/your-own-framework.md``). The scripts under ``examples/`` are their commands.
 """
 
 # Authors: The skafa developers
@@ -75,6 +76,7 @@ from ._rematch import (
     rematch_markdown,
     run_rematch_candidates,
 )
+from ._transfer import ADAPTATIONS, adaptation_rule, run_transfer_study
 from ._who_and_when import (
     AUTO,
     MI4AFA,
@@ -89,6 +91,9 @@ from ._who_and_when import (
 )
 
 __all__ = [
+    "ADAPTATIONS",
+    "adaptation_rule",
+    "run_transfer_study",
     "LOCATOR_COST_METHODS",
     "LocatorCostSettings",
     "run_locator_cost_benchmark",

@@ -71,10 +71,14 @@ class ShiftDetector(TurnInputMixin, BaseEstimator):
     by the mean over its turns of a distance to the training turns: the turn's
     standardised features, whitened in the top ``n_components`` principal
     components of the training turns, plus the energy outside them (relative to
-    the training turns'). A run is flagged when its score exceeds ``threshold_``,
-    the ``quantile`` of the scores of *held-out* training runs under a grouped
-    ``cv`` — so on runs like the training runs about ``1 - quantile`` of them are
-    flagged, by construction.
+    the training turns'). A run is flagged when its score leaves the central
+    ``quantile`` of the scores of *held-out* training runs under a grouped ``cv``
+    (above ``threshold_``, or below ``lower_threshold_`` with ``two_sided=True``)
+    — so on runs like the training runs about ``1 - quantile`` of them are
+    flagged, by construction. Two-sided, because in many dimensions distances
+    concentrate: runs of a framework whose features vary *less* than the training
+    runs' sit unusually close to the centre, and are as unlike them as runs far
+    away.
 
     Parameters
     ----------
@@ -86,6 +90,8 @@ class ShiftDetector(TurnInputMixin, BaseEstimator):
         Quantile of held-out training runs' scores used as the threshold.
     cv : int, default=5
         Folds of the grouped calibration (``GroupKFold``).
+    two_sided : bool, default=True
+        Flag scores below the central interval too (``lower_threshold_``).
 
     Attributes
     ----------
@@ -93,6 +99,8 @@ class ShiftDetector(TurnInputMixin, BaseEstimator):
         The sites read.
     threshold_ : float
         Scores above it are flagged.
+    lower_threshold_ : float
+        Scores below it are flagged (``-inf`` when ``two_sided=False``).
     calibration_scores_ : ndarray of shape (n_conversations,)
         Held-out scores of the training runs (one per run) the threshold came from.
     n_features_in_ : int
@@ -115,13 +123,15 @@ class ShiftDetector(TurnInputMixin, BaseEstimator):
         "n_components": [Interval(numbers.Integral, 1, None, closed="left")],
         "quantile": [Interval(numbers.Real, 0, 1, closed="neither")],
         "cv": [Interval(numbers.Integral, 2, None, closed="left")],
+        "two_sided": ["boolean"],
     }
 
-    def __init__(self, *, sites=None, n_components=20, quantile=0.95, cv=5):
+    def __init__(self, *, sites=None, n_components=20, quantile=0.95, cv=5, two_sided=True):
         self.sites = sites
         self.n_components = n_components
         self.quantile = quantile
         self.cv = cv
+        self.two_sided = two_sided
 
     @fit_context(prefer_skip_nested_validation=True)
     def fit(self, X, y=None, groups=None):
@@ -168,7 +178,13 @@ class ShiftDetector(TurnInputMixin, BaseEstimator):
         self.sites_ = sites
         self.n_features_in_ = int(X.n_features)
         self.calibration_scores_ = held_out
-        self.threshold_ = float(np.quantile(held_out, self.quantile))
+        if self.two_sided:
+            tail = (1 - self.quantile) / 2
+            self.threshold_ = float(np.quantile(held_out, 1 - tail))
+            self.lower_threshold_ = float(np.quantile(held_out, tail))
+        else:
+            self.threshold_ = float(np.quantile(held_out, self.quantile))
+            self.lower_threshold_ = -np.inf
         return self
 
     def score_samples(self, X):
@@ -205,7 +221,8 @@ class ShiftDetector(TurnInputMixin, BaseEstimator):
         -------
         flagged : ndarray of bool, shape (n_conversations,)
         """
-        return self.score_samples(X) > self.threshold_
+        scores = self.score_samples(X)
+        return (scores > self.threshold_) | (scores < self.lower_threshold_)
 
     def check(self, X, *, names=None, stacklevel=2):
         """:meth:`predict`, warning with :class:`DistributionShiftWarning` if any run is flagged.
@@ -222,15 +239,14 @@ class ShiftDetector(TurnInputMixin, BaseEstimator):
         -------
         flagged : ndarray of bool, shape (n_conversations,)
         """
-        scores = self.score_samples(X)
-        flagged = scores > self.threshold_
+        flagged = self.predict(X)
         if flagged.any():
             idx = np.flatnonzero(flagged)
             named = [names[i] if names is not None else describe(X, i) for i in idx]
             warnings.warn(
                 f"{idx.size} of {flagged.size} run(s) look unlike the runs the probe was "
-                f"trained on ({_listed(named)}: shift score above {self.threshold_:.3g}, "
-                f"the {self.quantile:.0%} quantile of held-out training runs). A probe "
+                f"trained on ({_listed(named)}: shift score outside the central "
+                f"{self.quantile:.0%} of held-out training runs' scores). A probe "
                 "scores near chance on another framework's runs: label some of yours "
                 "(skafa label) and refit, pooled with the training runs.",
                 DistributionShiftWarning, stacklevel=stacklevel)

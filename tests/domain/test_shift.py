@@ -24,10 +24,19 @@ def test_held_out_rate_near_one_minus_quantile_and_other_framework_flagged():
     train, held = _runs(seed=0), _runs(seed=5)
     det = ShiftDetector(n_components=5).fit(train)
     assert det.calibration_scores_.shape == (90,)
-    assert det.threshold_ == pytest.approx(np.quantile(det.calibration_scores_, 0.95))
+    assert det.threshold_ == pytest.approx(np.quantile(det.calibration_scores_, 0.975))
+    assert det.lower_threshold_ == pytest.approx(np.quantile(det.calibration_scores_, 0.025))
     # fresh runs of the same kind: few flags; the other framework: (almost) all
     assert det.predict(held).mean() <= 0.15
     assert det.predict(_other_framework(held)).mean() >= 0.9
+
+
+def test_two_sided_flags_runs_that_vary_less_than_the_training_runs():
+    train, held = _runs(seed=0), _runs(seed=5)
+    quiet = held.with_values(held.values * 0.3)
+    assert ShiftDetector(n_components=5).fit(train).predict(quiet).mean() >= 0.9
+    one = ShiftDetector(n_components=5, two_sided=False).fit(train)
+    assert one.lower_threshold_ == -np.inf and one.predict(quiet).mean() <= 0.1
 
 
 def test_a_lower_quantile_flags_more():
@@ -61,7 +70,8 @@ def test_check_warns_naming_runs():
     assert flagged.all()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        calm = det.check(X[[int(np.argmin(det.calibration_scores_))]])
+        median = np.argsort(det.calibration_scores_)[X.n_conversations // 2]
+        calm = det.check(X[[int(median)]])
     assert not calm.any()
 
 
