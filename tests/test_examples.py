@@ -248,3 +248,11 @@ def test_no_doctest_needs_the_real_model():
                 elif not example.options.get(doctest.SKIP):
                     n_run += 1
     assert n_run > 50
+
+
+def test_benchmark_transfer_help(capsys):
+    module = _load("benchmark_transfer")
+    with pytest.raises(SystemExit) as exc:
+        module.parse_args(["--help"])
+    assert exc.value.code == 0
+    assert "--cache-dir" in capsys.readouterr().out
