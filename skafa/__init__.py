@@ -83,7 +83,7 @@ _EXPORTS = {
 #: Subpackages and public modules reachable as attributes (``skafa.metrics``, ...).
 _SUBMODULES = (
     "attributor", "base", "baselines", "benchmarks", "cli", "compose", "configurations",
-    "conversation", "datasets", "domain", "exceptions", "features", "featurizers", "integrations", "llm", "metrics",
+    "conversation", "datasets", "domain", "exceptions", "features", "featurizers", "integrations", "labelling", "llm", "metrics",
     "model_selection", "online", "persistence", "probes", "report", "testing", "utils",
 )
 
