@@ -320,6 +320,13 @@ def _true_agents(convs, y, defaulted):
 # ---------------------------------------------------------------------------
 
 
+def _plain(value):
+    """Tuples as lists (a loaded tuple of sites may come back as either), else as is."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
 def _warn_if_not_recommended(given, recommended):
     """Warn when an extractor passed with the recommended selector reads otherwise.
 
@@ -518,6 +525,64 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
         self.n_conversations_fit_ = len(convs)
         return self
 
+    #: The selector's results that :meth:`fit` copies onto the attributor.
+    _SELECTOR_RESULTS = ("best_site_", "best_sites_", "best_index_", "best_params_",
+                         "best_score_")
+
+    def _check_fitted_consistency(self):
+        """Check that a loaded attributor's pieces agree (see :mod:`skafa.persistence`).
+
+        The results copied from the selector (``best_site_``, ``best_sites_``, ...)
+        must be the selector's own, and every site the selector reads or compares
+        must be one of the feature blocks the extractor produces (its ``sites_``),
+        so a file edited to read elsewhere is refused at load instead of failing
+        at the first prediction.
+
+        Raises
+        ------
+        ValueError
+            Naming the attribute, the place and both values.
+        """
+        from .llm import TurnActivationTransformer
+
+        pipeline = vars(self).get("pipeline_")
+        if pipeline is None:
+            return
+        steps = getattr(pipeline, "steps", None)
+        if not isinstance(steps, list) or len(steps) < 2:
+            raise ValueError(f"pipeline_ must hold the extractor and the selector, got "
+                             f"{type(pipeline).__name__} with steps {steps!r:.80}")
+        extractor, selector = steps[0][1], steps[-1][1]
+        own, theirs = vars(self), vars(selector)
+        for name in self._SELECTOR_RESULTS:
+            if name in own and name in theirs:
+                mine, its = own[name], theirs[name]
+                same = (mine is its
+                        or (np.array_equal(mine, its, equal_nan=True)
+                            if isinstance(mine, np.ndarray) and isinstance(its, np.ndarray)
+                            else _plain(mine) == _plain(its))
+                        or (isinstance(mine, float) and isinstance(its, float)
+                            and np.isnan(mine) and np.isnan(its)))
+                if not same:
+                    raise ValueError(
+                        f"{name} is {mine!r:.80} but the selector's (pipeline_.steps[-1]) "
+                        f"is {its!r:.80}; they are one result, copied at fit")
+        produced = vars(extractor).get("sites_")
+        if not isinstance(extractor, TurnActivationTransformer) or produced is None:
+            return
+        produced = [str(s) for s in produced]
+        for name in ("best_sites_", "best_site_", "site_", "sites_"):
+            if name not in theirs:
+                continue
+            value = theirs[name]
+            read = [value] if isinstance(value, str) else list(value)
+            missing = [s for s in read if s not in produced]
+            if missing:
+                raise ValueError(
+                    f"the selector's {name} ({type(selector).__name__}) names "
+                    f"{', '.join(repr(s) for s in missing[:5])}, but the extractor "
+                    f"produces only the sites {', '.join(produced)} (its sites_)")
+
     def _site_label(self):
         """The site(s) predictions are read at, for reports: ``"a"`` or ``"a+b+c"``."""
         sites = getattr(self, "best_sites_", None)
@@ -682,15 +747,17 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
 
     @classmethod
     def load(cls, path, *, model=None, device=None, trust=(), cache_dir=None, n_jobs=None,
-             verbose=None):
+             verbose=None, allow_model_mismatch=False):
         """Load an attributor saved with :meth:`save`.
 
         Parameters
         ----------
         path : str or path-like
         model : str, default=None
-            Use this model instead of the saved one (its architecture must
-            match; a different name or file of the same architecture warns).
+            Use this model instead of the saved one. Its architecture must match;
+            the same weights under another name or file warn
+            (:class:`~skafa.exceptions.ModelMismatchWarning`); other weights are
+            refused unless ``allow_model_mismatch=True``.
         device : str, default=None
             Torch device (runtime settings never come from the file).
         trust : iterable of str, default=()
@@ -698,15 +765,28 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
         cache_dir, n_jobs, verbose : default=None
             Runtime settings of the loaded steps (never read from the file; ``None``
             keeps each step's constructor default).
+        allow_model_mismatch : bool, default=False
+            Score with ``model`` even though its weights differ from the saved
+            model's (same architecture), with a
+            :class:`~skafa.exceptions.ModelMismatchWarning`. Needs ``model``.
+            Without it, a model whose weights differ from the saved ones (e.g. a
+            relative path resolved from another folder) raises a
+            :class:`ValueError` naming both places and both weights digests.
 
         Returns
         -------
         attributor : FailureAttributor
+
+        Raises
+        ------
+        ValueError
+            For a file :func:`skafa.persistence.load` refuses (see there),
+            including another model's weights without ``allow_model_mismatch``.
         """
         from .persistence import load
 
         obj = load(path, model=model, device=device, trust=trust, cache_dir=cache_dir,
-                   n_jobs=n_jobs, verbose=verbose)
+                   n_jobs=n_jobs, verbose=verbose, allow_model_mismatch=allow_model_mismatch)
         if not isinstance(obj, cls):
             raise TypeError(
                 f"{path} holds a {type(obj).__name__}, not a {cls.__name__}; load it with "

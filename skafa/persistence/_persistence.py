@@ -26,9 +26,17 @@ check that failed), then, for every fitted model-reading step
 (:class:`~skafa.llm.TurnActivationTransformer`,
 :class:`~skafa.baselines.PromptedJudge`), loads the model it will use (``model=``,
 else the saved name) and compares its architecture fingerprint with the saved
-one: a different architecture raises a :class:`ValueError`; the same
-architecture under another name, path or file warns with
-:class:`ModelMismatchWarning`.
+one: a different architecture raises a :class:`ValueError`. The same
+architecture with other weights (the SHA-256 digests of the weight files differ
+from the saved ones, e.g. a relative ``models/tiny`` resolved from another
+working directory) raises a :class:`ValueError` naming both places and both
+digests, unless the caller names the model (``model=``) and allows it
+(``allow_model_mismatch=True``): then it warns with
+:class:`~skafa.exceptions.ModelMismatchWarning`, as it does for the same weights
+under another name or place. Before any of that, every estimator's fitted
+attributes are checked against each other (:meth:`PersistenceMixin._check_fitted_consistency`),
+so a file whose arrays disagree is refused at load, naming the attribute and
+both shapes, instead of failing inside numpy at predict.
 
 What an estimator class declares
 --------------------------------
@@ -51,10 +59,35 @@ defaults; a class without the mixin gets them too):
 ``_reads_model``
     ``True`` for a step that reads a language model: :func:`save` summarises it
     in ``skafa.json``.
+``_check_fitted_consistency(self)``
+    Raises :class:`ValueError` when the fitted attributes just set disagree
+    with each other (the default does nothing); :func:`load` calls it before
+    ``_restore_after_load`` and refuses the file, naming it, the place in the
+    tree and the class's message. The class knows which of its arrays must
+    agree (e.g. the sites a composite's selector reads and those its extractor
+    produces).
 ``_restore_after_load(self, context)``
     Rebuilds the runtime attributes after the fitted state is set (the default
-    does nothing); ``context`` is a :class:`LoadContext`, whose
-    :meth:`~LoadContext.check_model` performs the architecture check above.
+    does nothing); ``context`` is a :class:`LoadContext`; model-reading steps
+    pass it to :func:`skafa.llm.verify_saved_model` for the model check above.
+
+Consistency of fitted attributes
+--------------------------------
+Besides a class's own ``_check_fitted_consistency``, :func:`load` checks the
+fitted attributes that follow scikit-learn's conventions on every skafa and
+scikit-learn estimator (scikit-learn's classes cannot carry declarations, so,
+as for the Pipeline, one adapter here knows them): ``n_features_in_`` is a
+non-negative integer; ``coef_`` is an array with one column per feature
+(``coef_.shape[-1] == n_features_in_``); an array ``intercept_`` has one entry
+per row of a 2-D ``coef_``; ``classes_`` matches the rows of ``coef_`` (one row
+for two classes, else one per class) and of ``theta_``/``class_count_``;
+``mean_``, ``var_``, ``scale_``, ``theta_`` and ``components_`` have one entry
+per feature on their last axis; ``best_index_`` is a row of ``cv_results_``,
+whose columns all have the same length; and in a
+:class:`~sklearn.pipeline.Pipeline` a scikit-learn step's output width equals
+the next step's ``n_features_in_``. A file that breaks one of these loads no
+further: :func:`load` raises its :class:`ValueError` naming the file, the place,
+the attribute and both shapes, rather than letting numpy fail at predict.
 
 scikit-learn's :class:`~sklearn.pipeline.Pipeline` cannot carry declarations, so
 one small adapter here handles it (and its subclasses, such as
@@ -278,6 +311,20 @@ class PersistenceMixin:
     _runtime_params = frozenset({"cache_dir", "n_jobs", "device", "verbose"})
     _reads_model = False
 
+    def _check_fitted_consistency(self):
+        """Check that the fitted attributes agree with each other (after :func:`load`).
+
+        Override to check what only the class knows, e.g. that two arrays have
+        the same length; :func:`load` calls it once the saved attributes are
+        set, after checking scikit-learn's conventions (see the module
+        docstring), and refuses the file naming it and the place.
+
+        Raises
+        ------
+        ValueError
+            Naming the attributes that disagree and their shapes or values.
+        """
+
     def _restore_after_load(self, context):
         """Rebuild runtime-only state once the fitted attributes are set.
 
@@ -290,7 +337,8 @@ class PersistenceMixin:
 
 
 _DECLARATIONS = frozenset({"_runtime_attributes", "_load_overrides", "_runtime_params",
-                           "_reads_model", "_restore_after_load"})
+                           "_reads_model", "_restore_after_load",
+                           "_check_fitted_consistency"})
 
 #: Parameters that are runtime settings for every class (see
 #: :attr:`PersistenceMixin._runtime_params`): never read from a file.
@@ -336,6 +384,171 @@ def _restore_hooks(est):
     if method is not None:
         hooks.append(lambda context: method(est, context))
     return hooks
+
+
+# ---------------------------------------------------------------------------
+# Fitted attributes that must agree
+# ---------------------------------------------------------------------------
+
+
+def _is_array(value):
+    return isinstance(value, np.ndarray) or sp.issparse(value)
+
+
+def _shape_text(value):
+    return str(tuple(value.shape)) if _is_array(value) else _short(value, 40)
+
+
+def _fitted_int(state, name):
+    """``state[name]`` as an int (None when absent); refuse anything but an integer."""
+    if name not in state:
+        return None
+    value = state[name]
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {_short(value, 40)}")
+    return int(value)
+
+
+def _fitted_array(state, name, ndims):
+    """``state[name]`` when it is an array (None when absent or None); refuse another
+    type or number of dimensions."""
+    value = state.get(name)
+    if value is None:
+        return None
+    if not _is_array(value) or value.ndim not in ndims:
+        what = (f"a {value.ndim}-D array" if _is_array(value)
+                else f"a {type(value).__name__} ({_short(value, 40)})")
+        raise ValueError(f"{name} must be a {' or '.join(f'{d}-D' for d in ndims)} array, "
+                         f"got {what}")
+    return value
+
+
+def _check_conventions(est):
+    """scikit-learn's fitted-attribute conventions (see the module docstring): the
+    shapes of ``coef_``, ``intercept_``, ``classes_``, per-feature statistics and
+    search results must agree with each other and with ``n_features_in_``."""
+    state = vars(est)
+    n = _fitted_int(state, "n_features_in_")
+    coef = _fitted_array(state, "coef_", (1, 2))
+    classes = _fitted_array(state, "classes_", (1,))
+    if coef is not None and n is not None and coef.shape[-1] != n:
+        raise ValueError(f"coef_ has shape {_shape_text(coef)} but n_features_in_ is {n}: "
+                         "one weight per feature is needed")
+    if "intercept_" in state and state["intercept_"] is not None:
+        intercept = state["intercept_"]
+        if isinstance(intercept, np.ndarray):
+            if intercept.ndim > 1:
+                raise ValueError(f"intercept_ must be a number or a 1-D array, got shape "
+                                 f"{_shape_text(intercept)}")
+            if coef is not None and coef.ndim == 2 and intercept.ndim == 1 \
+                    and intercept.shape[0] != coef.shape[0]:
+                raise ValueError(f"intercept_ has shape {_shape_text(intercept)} but coef_ "
+                                 f"has shape {_shape_text(coef)}: one intercept per row of "
+                                 "coef_ is needed")
+        elif isinstance(intercept, (bool, np.bool_)) \
+                or not isinstance(intercept, (int, float, np.number)):
+            raise ValueError(f"intercept_ must be a number or an array, got "
+                             f"{_short(intercept, 40)}")
+    if classes is not None and coef is not None and coef.ndim == 2 and classes.shape[0] >= 2:
+        rows = 1 if classes.shape[0] == 2 else classes.shape[0]
+        if coef.shape[0] != rows:
+            raise ValueError(f"classes_ has shape {_shape_text(classes)} but coef_ has shape "
+                             f"{_shape_text(coef)}: {classes.shape[0]} classes need "
+                             f"{rows} row{'s' if rows > 1 else ''} of coefficients")
+    for name in ("mean_", "var_", "scale_", "theta_", "components_"):
+        value = state.get(name)
+        if n is not None and isinstance(value, np.ndarray) and value.ndim >= 1 \
+                and value.shape[-1] != n:
+            raise ValueError(f"{name} has shape {_shape_text(value)} but n_features_in_ is "
+                             f"{n}: one entry per feature is needed")
+    if classes is not None:
+        for name in ("theta_", "class_count_", "class_prior_"):
+            value = state.get(name)
+            if isinstance(value, np.ndarray) and value.ndim >= 1 \
+                    and value.shape[0] != classes.shape[0]:
+                raise ValueError(f"{name} has shape {_shape_text(value)} but classes_ has "
+                                 f"shape {_shape_text(classes)}: one row per class is needed")
+    components = state.get("components_")
+    n_components = _fitted_int(state, "n_components_")
+    if isinstance(components, np.ndarray) and components.ndim == 2 \
+            and n_components is not None and components.shape[0] != n_components:
+        raise ValueError(f"components_ has shape {_shape_text(components)} but n_components_ "
+                         f"is {n_components}")
+    _check_search_results(state)
+
+
+def _check_search_results(state):
+    """``best_index_`` is a row of ``cv_results_``; every column has one entry per row."""
+    results = state.get("cv_results_")
+    if "best_index_" not in state or not isinstance(results, dict):
+        return
+    best = _fitted_int(state, "best_index_")
+    lengths = {k: len(v) for k, v in results.items()
+               if isinstance(v, (np.ndarray, list)) and (not isinstance(v, np.ndarray)
+                                                        or v.ndim >= 1)}
+    if not lengths:
+        return
+    key = "mean_test_score" if "mean_test_score" in lengths else next(iter(lengths))
+    n_rows = lengths[key]
+    for k, length in lengths.items():
+        if length != n_rows:
+            raise ValueError(f"cv_results_[{_short(k, 40)}] has {length} rows but "
+                             f"cv_results_[{key!r}] has {n_rows}")
+    if best >= n_rows:
+        raise ValueError(f"best_index_ is {best} but cv_results_ has {n_rows} rows "
+                         f"(0..{n_rows - 1})")
+
+
+def _features_out(step):
+    """How many features a fitted scikit-learn transformer outputs, or None if unknown."""
+    from sklearn.base import ClassNamePrefixFeaturesOutMixin, OneToOneFeatureMixin
+
+    state = vars(step)
+    if isinstance(step, OneToOneFeatureMixin):
+        return _fitted_int(state, "n_features_in_")
+    if isinstance(step, ClassNamePrefixFeaturesOutMixin):
+        components = state.get("components_")
+        if isinstance(components, np.ndarray) and components.ndim == 2:
+            return int(components.shape[0])
+    return None
+
+
+def _check_pipeline(pipe):
+    """Consecutive scikit-learn steps agree on the number of features between them."""
+    steps = [(name, step) for name, step in getattr(pipe, "steps", ())
+             if step is not None and step != "passthrough"]
+    for (name_a, a), (name_b, b) in zip(steps, steps[1:]):
+        if not (_is_sklearn(type(a)) and _is_sklearn(type(b))):
+            continue
+        out = _features_out(a)
+        n_in = _fitted_int(vars(b), "n_features_in_")
+        if out is not None and n_in is not None and out != n_in:
+            raise ValueError(
+                f"step {name_a!r} ({type(a).__name__}) outputs {out} features but the next "
+                f"step {name_b!r} ({type(b).__name__}) was fitted with n_features_in_ "
+                f"{n_in}")
+
+
+def _is_sklearn(cls):
+    return cls.__module__.split(".")[0] == "sklearn"
+
+
+def _consistency_checks(est):
+    """What checks the fitted state after load: the conventions adapter (skafa and
+    scikit-learn classes), the Pipeline adapter, then the class's own hook."""
+    from sklearn.pipeline import Pipeline
+
+    cls = type(est)
+    checks = []
+    if cls.__module__.split(".")[0] in ("skafa", "sklearn"):
+        checks.append(lambda: _check_conventions(est))
+    if isinstance(est, Pipeline):
+        checks.append(lambda: _check_pipeline(est))
+    method = getattr(cls, "_check_fitted_consistency", None)  # the class's, never the file's
+    if method is not None:
+        checks.append(lambda: method(est))
+    return checks
 
 
 # ---------------------------------------------------------------------------
@@ -1019,6 +1232,20 @@ class LoadContext:
         return self._reader.verify_model
 
     @property
+    def model_named(self):
+        """True when :func:`load` was called with ``model=`` (the caller named the model
+        every model-reading step uses instead of the saved one)."""
+        return self._reader.model is not None
+
+    @property
+    def allow_model_mismatch(self):
+        """True when :func:`load` was called with ``allow_model_mismatch=True`` (always
+        together with ``model=``): a named model of the saved architecture whose weights
+        differ from the saved ones is used, with a
+        :class:`~skafa.exceptions.ModelMismatchWarning`, instead of being refused."""
+        return self._reader.allow_model_mismatch
+
+    @property
     def saved_model(self):
         """The model name or path the estimator at :attr:`path` was saved with, or None."""
         return self._reader.saved_models.get(self.path)
@@ -1052,10 +1279,11 @@ def _saved_locations(document):
 
 class _Reader:
     def __init__(self, arrays, json_path, *, n_file_bytes, model, runtime, trust,
-                 verify_model):
+                 verify_model, allow_model_mismatch=False):
         self.arrays = arrays
         self.json_path = json_path
         self.model = model
+        self.allow_model_mismatch = bool(allow_model_mismatch)
         self.runtime = runtime  # name -> the caller's value (None: constructor default)
         self.verify_model = verify_model
         self.trust = {str(t) for t in trust}
@@ -1181,6 +1409,16 @@ class _Reader:
                     and not _is_estimator_like(value):
                 raise self.fail(path, f"refusing a callable value for {key!r}")
             setattr(est, key, value)
+        for check in _consistency_checks(est):
+            try:
+                check()
+            except _LoadError:
+                raise
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+                raise self.fail(path, f"the fitted attributes of {name} disagree: "
+                                      f"{_clip(exc, 500)}; the file was edited or "
+                                      "corrupted, or written by a skafa with another "
+                                      "layout") from exc
         for hook in _restore_hooks(est):
             try:
                 hook(LoadContext(self, path))
@@ -1556,7 +1794,7 @@ def _version_warnings(document, json_path):
 
 
 def load(path, *, model=None, device=None, trust=(), verify_model=True, cache_dir=None,
-         n_jobs=None, verbose=None):
+         n_jobs=None, verbose=None, allow_model_mismatch=False):
     """Load an estimator written by :func:`save`, instantiating only allowed classes.
 
     Runtime settings (the parameters ``cache_dir``, ``n_jobs``, ``device`` and
@@ -1575,8 +1813,9 @@ def load(path, *, model=None, device=None, trust=(), verify_model=True, cache_di
         load (``TurnActivationTransformer``, ``PromptedJudge``, and the ``model``
         of a ``FailureAttributor``) instead of the saved name: e.g. a local path
         to the same GGUF file. Its architecture must match the saved
-        fingerprint. The model named in the file is loaded through
-        :func:`skafa.llm.load_model` (``trust_remote_code=False``); pass
+        fingerprint, and its weights the saved weights digest unless
+        ``allow_model_mismatch=True``. The model named in the file is loaded
+        through :func:`skafa.llm.load_model` (``trust_remote_code=False``); pass
         ``model`` to choose it yourself.
     device : str, default=None
         Torch device for every step with a ``device`` parameter; ``None``: the
@@ -1599,6 +1838,15 @@ def load(path, *, model=None, device=None, trust=(), verify_model=True, cache_di
     verbose : int, default=None
         ``verbose`` of every step that has one; ``None``: the constructor's
         default (quiet). The saved value is not used.
+    allow_model_mismatch : bool, default=False
+        Go on when the model ``model=`` names has the saved architecture but
+        other weights than the saved ones (their SHA-256 digests differ, or
+        cannot be compared): the steps use it, with a
+        :class:`~skafa.exceptions.ModelMismatchWarning`. Requires ``model``:
+        a model found under the saved name (e.g. a relative ``models/tiny``
+        resolved from another working directory) is never used silently.
+        Without it such a model is refused with a :class:`ValueError` naming
+        where the model was at save time, where it is now, and both digests.
 
     Returns
     -------
@@ -1611,18 +1859,30 @@ def load(path, *, model=None, device=None, trust=(), verify_model=True, cache_di
         Truncated, edited or inconsistent files (naming the file and the check
         that failed), including JSON nested deeper than :data:`MAX_JSON_DEPTH`
         and structures that would allocate more than the file can justify; a
-        class outside the allowed ones and ``trust`` (never imported); a model
-        whose architecture differs from the saved one.
+        class outside the allowed ones and ``trust`` (never imported); fitted
+        attributes that disagree with each other (e.g. ``coef_`` of another
+        width than ``n_features_in_``, naming the attribute and both shapes); a
+        model whose architecture differs from the saved one; a model whose
+        weights differ from the saved ones, unless it is named with ``model``
+        and ``allow_model_mismatch=True``; ``allow_model_mismatch=True``
+        without ``model``.
     FileNotFoundError
         When ``path`` holds no ``skafa.json`` or its ``arrays.safetensors``.
 
     Warns
     -----
     ModelMismatchWarning
-        Same architecture, but another model name, file or weights.
+        Same architecture and weights under another name or place; or other
+        weights, used because ``model`` named them and
+        ``allow_model_mismatch=True``.
     PersistenceVersionWarning
         Written by another version of scikit-learn or skafa.
     """
+    if allow_model_mismatch and model is None:
+        raise ValueError(
+            "allow_model_mismatch=True needs model=<name or path>: name the model to use "
+            "in place of the saved one. A model found under the saved name is only used "
+            "when its weights are the saved ones.")
     path = Path(path).expanduser()
     json_path = path / JSON_NAME
     if path.is_file() and path.name == JSON_NAME:
@@ -1638,6 +1898,7 @@ def load(path, *, model=None, device=None, trust=(), verify_model=True, cache_di
         trust = [trust]
     reader = _Reader(arrays, json_path, n_file_bytes=n_json_bytes + n_array_bytes,
                      model=model, trust=trust, verify_model=verify_model,
+                     allow_model_mismatch=allow_model_mismatch,
                      runtime={"cache_dir": cache_dir, "n_jobs": n_jobs, "device": device,
                               "verbose": verbose})
     reader.saved_locations = _saved_locations(document)

@@ -263,8 +263,10 @@ def test_model_location():
 def test_saved_extractor_names_both_places_when_the_model_under_its_name_changed(
         tmp_path, monkeypatch):
     """A probe saved with model='models/tiny' (relative) and loaded from another working
-    directory holding other weights there: the warning names both absolute places and
-    both weights digests (issue 33); the same place and weights load silently."""
+    directory holding other weights there: the load is refused, naming both absolute
+    places and both weights digests (issue 33, then "round four"); naming the model and
+    allowing the mismatch warns with the same details; the same place and weights load
+    silently."""
     from skafa.exceptions import ModelMismatchWarning
     from skafa.llm import TurnActivationTransformer
     from skafa.persistence import load, save
@@ -287,8 +289,12 @@ def test_saved_extractor_names_both_places_when_the_model_under_its_name_changed
         warnings.simplefilter("error", ModelMismatchWarning)
         load(tmp_path / "saved")                      # same place, same weights
     monkeypatch.chdir(tmp_path / "b")
+    with pytest.raises(ValueError, match="weights differ") as info:
+        load(tmp_path / "saved")
+    for place, digest in places.values():
+        assert place in str(info.value) and digest in str(info.value)
     with pytest.warns(ModelMismatchWarning) as record:
-        loaded = load(tmp_path / "saved")
+        loaded = load(tmp_path / "saved", model="models/tiny", allow_model_mismatch=True)
     message = " ".join(str(w.message) for w in record)
     for place, digest in places.values():
         assert place in message and digest in message

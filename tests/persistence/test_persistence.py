@@ -339,8 +339,15 @@ def test_different_architecture_raises(fitted_lm_pipeline, tiny_models, other, t
 def test_same_architecture_other_name_warns(fitted_lm_pipeline, tiny_models, conversations,
                                             other, tmp_path):
     path = save(fitted_lm_pipeline, tmp_path / "pipe")
+    allow = {}
+    if other == "other-weights":  # other weights: refused unless named and allowed
+        with pytest.raises(ValueError, match="weights differ") as info:
+            load(path, model=tiny_models[other])
+        assert str(path / JSON_NAME) in str(info.value)
+        assert fitted_lm_pipeline[0].model_identity_["weights_sha256"] in str(info.value)
+        allow = {"allow_model_mismatch": True}
     with pytest.warns(ModelMismatchWarning, match=tiny_models[other]):
-        loaded = load(path, model=tiny_models[other])
+        loaded = load(path, model=tiny_models[other], **allow)
     assert loaded[0].model == tiny_models[other]
     # the cache key follows the model actually used
     assert loaded[0].model_identity_["name"] == tiny_models[other]
