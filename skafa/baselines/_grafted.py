@@ -56,6 +56,7 @@ from ..llm import (
 from ..model_selection import ResultStoreError, grouped_splits, read_json, write_json
 from ..utils.claims import create_claim, wait_while_claimed
 from ..utils.progress import log
+from ..utils.signals import raise_if_stop_requested, stop_requests
 from ..utils.sklearn_compat import Interval, fit_context
 from ..utils.validation import group_labels
 from ._judge import (
@@ -386,7 +387,10 @@ class _KVSpill:
     of that layer's ``k_proj`` / ``v_proj`` and ``n_tokens`` the prompt length less the
     answer position; and the SHA-256 of
     its tensors' bytes matches the one it records. A file that fails any check is
-    deleted and its prompt read again (counted in ``refused``, with a warning).
+    deleted and its prompt read again (counted in ``refused``, with a warning), unless
+    a stop was requested (:func:`skafa.utils.signals.stop_requested`): a read that
+    fails then may have been broken by the signal itself, so the file stays, nothing
+    is counted and :class:`~skafa.utils.signals.StopRequested` is raised.
     """
 
     def __init__(self, parent, resumable=None, prompts=None):
@@ -493,8 +497,14 @@ class _KVSpill:
                 return None  # another process sharing the folder took it: read the prompt
             try:
                 tensors = load_file(str(path))
-            finally:
+            except BaseException as exc:
+                if self.resumable is not None:  # an interrupt or a stop is no damage:
+                    if not isinstance(exc, Exception):  # the file stays for the resumed run
+                        raise
+                    raise_if_stop_requested(f"reading the KV cache kept in {path}", cause=exc)
                 path.unlink(missing_ok=True)
+                raise
+            path.unlink(missing_ok=True)
             got = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
             if got != expected:
                 raise RuntimeError(f"the KV cache kept in {path} changed on disk (shapes or "
@@ -525,7 +535,11 @@ class _KVSpill:
                 got = self._check_resumed(i, path, lm, safe_open)
                 tensors, why = (got, None) if isinstance(got, dict) else (None, got)
             except Exception as exc:  # unreadable: a damaged or foreign file
+                # ...unless a stop request surfaced as this error: the file stays
+                raise_if_stop_requested(f"reading the kept KV cache {path}", cause=exc)
                 why = f"it is unreadable ({type(exc).__name__}: {exc})"
+        if tensors is None:
+            raise_if_stop_requested(f"checking the kept KV cache {path}")
         if path.is_symlink() or path.is_file():
             path.unlink(missing_ok=True)  # a link itself, never what it names
         if tensors is None:
@@ -1356,18 +1370,19 @@ n_conversations_fit_
             log(self, 1, f"store {store.path}: head statistics of {len(store.stats)} and "
                          f"{len(store.scores)} graft scorings kept from an earlier run")
         kv = None
-        if kv_dir is not None and keep_kv:
-            digest = hashlib.sha256(json.dumps(store.signature, sort_keys=True)
-                                    .encode("utf-8")).hexdigest()
-            kv = _KVSpill(kv_dir, resumable=digest, prompts=plan.prefixes)
-        elif kv_dir is not None:
-            kv = _KVSpill(kv_dir)
-        try:
-            return self._split_predictions_with(convs, lm, plan, steps, splits, groups, pairs,
-                                                store, kv)
-        finally:
-            if kv is not None:
-                kv.close()
+        with stop_requests():  # SIGTERM stops the loops below; a kept KV file it hits stays
+            if kv_dir is not None and keep_kv:
+                digest = hashlib.sha256(json.dumps(store.signature, sort_keys=True)
+                                        .encode("utf-8")).hexdigest()
+                kv = _KVSpill(kv_dir, resumable=digest, prompts=plan.prefixes)
+            elif kv_dir is not None:
+                kv = _KVSpill(kv_dir)
+            try:
+                return self._split_predictions_with(convs, lm, plan, steps, splits, groups,
+                                                    pairs, store, kv)
+            finally:
+                if kv is not None:
+                    kv.close()
 
     def _split_predictions_with(self, convs, lm, plan, steps, splits, groups, pairs, store,
                                 kv):
@@ -1524,9 +1539,12 @@ def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None, store
         With ``store`` shared by several processes, each process's graft pass
         takes the conversations whose caches it kept first, so a prompt is reread
         only where another process (or an earlier run) read it for the statistics.
-        The subfolder is also removed after an error or ``KeyboardInterrupt``;
-        a process killed outright (SIGKILL, or SIGTERM without a handler that
-        raises) leaves its ``skafa-grafted-kv-*`` folder, to be removed by hand.
+        The subfolder is also removed after an error, a ``KeyboardInterrupt`` or a
+        SIGTERM (in the main thread the call records SIGTERM and Ctrl-C with
+        :func:`skafa.utils.signals.stop_requests` and stops with
+        :class:`~skafa.utils.signals.StopRequested`, a ``KeyboardInterrupt``; a
+        handler of your own is still called); a process killed outright (SIGKILL)
+        leaves its ``skafa-grafted-kv-*`` folder, to be removed by hand.
         ``None``: prompts are read twice and nothing is written.
     keep_kv : bool, default=False
         With ``store`` and ``kv_dir``: keep the caches in
@@ -1538,7 +1556,11 @@ def grafted_split_predictions(judge, X, y=None, splits=(), *, groups=None, store
         read only after it passes every check (its store digest, conversation and
         prompt-token SHA-256; one key and value per layer of the model's dtype and
         the prompt's length; the SHA-256 of its tensors); one that fails is deleted
-        and its prompt read again, with a ``RuntimeWarning``. A file half written by a
+        and its prompt read again, with a ``RuntimeWarning``; a read that fails after a
+        stop request (SIGTERM, Ctrl-C: the error may be the signal itself, surfaced
+        inside torch or safetensors) deletes nothing and counts nothing: the call
+        stops with :class:`~skafa.utils.signals.StopRequested` and the file waits for
+        the resumed run. A file half written by a
         killed process of this host is removed when a later run opens the folder.
 
     Returns

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..conversation import Conversation
+from ..utils.signals import raise_if_stop_requested, stop_requests
 from ._who_and_when import _say
 
 __all__ = ["EXTRACTION_PEERS", "ExtractionBenchmarkSettings", "first_records",
@@ -264,18 +265,20 @@ _PEER_PACKAGES = {"nnsight": "nnsight", "transformer_lens": "transformer_lens",
 
 def _available_peers():
     found, missing = [], {}
-    for name in EXTRACTION_PEERS:
-        try:
-            if name in _PEER_PACKAGES:
-                module = importlib.import_module(_PEER_PACKAGES[name])
-                version = getattr(module, "__version__", None)
-                if name == "mi4afa":
-                    version = importlib.import_module("ag2").__version__
-                found.append((name, version))
-            else:
-                found.append((name, None))
-        except Exception as exc:  # noqa: BLE001 - report and skip
-            missing[name] = f"{type(exc).__name__}: {exc}"
+    with stop_requests():  # Ctrl-C or SIGTERM during an import stops; it is no missing peer
+        for name in EXTRACTION_PEERS:
+            try:
+                if name in _PEER_PACKAGES:
+                    module = importlib.import_module(_PEER_PACKAGES[name])
+                    version = getattr(module, "__version__", None)
+                    if name == "mi4afa":
+                        version = importlib.import_module("ag2").__version__
+                    found.append((name, version))
+                else:
+                    found.append((name, None))
+            except Exception as exc:  # noqa: BLE001 - report and skip
+                raise_if_stop_requested(f"importing {name}", cause=exc)
+                missing[name] = f"{type(exc).__name__}: {exc}"
     return found, missing
 
 
@@ -653,11 +656,13 @@ def run_peers_benchmark(settings, *, log=None):
     n_tokens = [int(e.n_tokens) for e in encs]
     found, missing = _available_peers()
     methods, failed = {}, {}
-    for name, _ in found:
-        try:
-            methods[name] = EXTRACTION_PEERS[name](model, tok, sites)
-        except Exception as exc:  # noqa: BLE001 - a peer that cannot wrap the model
-            failed[name] = f"{type(exc).__name__}: {exc}"
+    with stop_requests():  # a stop while a peer wraps the model is no failed peer
+        for name, _ in found:
+            try:
+                methods[name] = EXTRACTION_PEERS[name](model, tok, sites)
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot wrap the model
+                raise_if_stop_requested(f"wrapping the model with {name}", cause=exc)
+                failed[name] = f"{type(exc).__name__}: {exc}"
     versions = dict(found)
     names = list(methods)
     _say(log, f"{len(encs)} records, {sum(n_tokens)} tokens; methods {names}; "

@@ -24,8 +24,6 @@ import dataclasses
 import json
 import os
 import platform
-import signal
-import threading
 import time
 from pathlib import Path
 
@@ -72,6 +70,7 @@ from ..model_selection import (
 )
 from ..probes import GroupedArgmaxLogisticClassifier, GroupedSoftmaxClassifier
 from ..utils.progress import Timer
+from ..utils.signals import stop_requests
 from ._peers import (
     JUDGE,
     PLAIN_CHAT_TEMPLATE,
@@ -150,28 +149,18 @@ def _say(log, message):
         log(message)
 
 
-@contextlib.contextmanager
 def _sigterm_as_interrupt():
     """While active, SIGTERM stops the run as Ctrl-C does (``KeyboardInterrupt``).
 
     A long benchmark started with ``nohup ... &`` ignores Ctrl-C's SIGINT, and
     ``kill``'s SIGTERM would end it without running any ``finally`` block: the
-    grafted judge's temporary KV folder in the cache would stay behind. Outside
-    the main thread (where no handler can be set) this does nothing.
+    grafted judge's temporary KV folder in the cache would stay behind. This is
+    :func:`skafa.utils.signals.stop_requests`: the signal raises
+    :class:`~skafa.utils.signals.StopRequested` (a ``KeyboardInterrupt``) and is
+    recorded, so a read it interrupts is not taken for a damaged file. Outside the
+    main thread (where no handler can be set) this does nothing.
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"stopped by signal {signum} (SIGTERM)")
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        # None: the previous handler was not set from Python; the default is the closest
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    return stop_requests()
 
 
 def _machine():

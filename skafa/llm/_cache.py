@@ -31,6 +31,19 @@ writer wins and the other sites are recomputed later; an entry is never corrupt.
 A failed disk write (full or read-only disk) is reported with a ``RuntimeWarning``
 and extraction goes on.
 
+The SHA-256 digest is stored in the entry, so it catches accidents, not tampering:
+whoever can write the folder can recompute it. For a cache shared between users (or
+downloaded), a **cache key** adds a keyed MAC (HMAC-SHA256 over the header and the
+values, :data:`MAC_KEY` in the header): set ``SKAFA_CACHE_KEY`` (the key itself) or
+``SKAFA_CACHE_KEY_FILE`` (a file holding it) in the environment, or pass ``mac_key``
+to :class:`ActivationCache`. With a key, every entry is written with its MAC, and an
+entry without a valid one (written without the key, with another key, or re-signed
+by someone who does not hold the key) is never used: it is reported with a
+:class:`CacheCorruptionWarning` naming it, counted in ``stats["unsigned"]``, and
+recomputed and overwritten. Without a key nothing changes (a MAC in an entry is
+ignored). The key is never logged, and it is not part of the entries' names, so
+one folder can move from unsigned to signed use.
+
 Claims (:meth:`ActivationCache.claim`) let processes that share a directory split
 the work: a ``<key>.claim`` file, created atomically, says "being extracted
 elsewhere". A claim is advisory: whoever meets another's claim does other
@@ -44,8 +57,10 @@ same host has claimed instead of computing it twice.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
+import stat
 import threading
 import warnings
 import zlib
@@ -55,7 +70,14 @@ import numpy as np
 
 from ..exceptions import CacheCorruptionWarning
 from ..utils.claims import claim_holder_alive, create_claim
-from ..utils.fileio import json_field, read_safetensors, write_safetensors
+from ..utils.fileio import (
+    DIGEST_KEY,
+    json_field,
+    read_regular_file,
+    read_safetensors,
+    write_safetensors,
+)
+from ..utils.signals import raise_if_stop_requested
 from ._reads import READS
 from ._sites import site_depth
 
@@ -66,6 +88,9 @@ __all__ = [
     "conversation_content",
     "shared_memory_cache",
     "DEFAULT_MEMORY_BYTES",
+    "CACHE_KEY_ENV",
+    "CACHE_KEY_FILE_ENV",
+    "MAC_KEY",
 ]
 
 #: Default size bound of the process-wide in-memory cache (512 MiB).
@@ -76,6 +101,19 @@ DEFAULT_MEMORY_BYTES = 512 * 1024**2
 #: (was: size, first and last MiB of a GGUF file; names and sizes of a folder's files).
 _FORMAT = "skafa.activations/2"
 _TENSOR = "activations"
+
+#: Environment variable holding the cache key (its UTF-8 bytes are the HMAC key).
+CACHE_KEY_ENV = "SKAFA_CACHE_KEY"
+#: Environment variable naming a file that holds the cache key (surrounding
+#: whitespace, such as a final newline, is not part of the key).
+CACHE_KEY_FILE_ENV = "SKAFA_CACHE_KEY_FILE"
+#: Header field of an entry's keyed MAC (HMAC-SHA256, hex), written only with a key.
+MAC_KEY = "skafa_hmac_sha256"
+#: Shortest cache key accepted, in bytes.
+_MIN_KEY_BYTES = 16
+#: Largest key file read (a key is short; anything bigger is not a key file).
+_MAX_KEY_FILE_BYTES = 4096
+_MAC_DOMAIN = b"skafa.activations.hmac/1\0"
 
 #: Site kinds keyed apart from hidden states, with the version of their recipe
 #: (``head_attn``: mass from the prompt's last token to each turn's line, version 1).
@@ -279,6 +317,73 @@ def shared_memory_cache():
         return _SHARED
 
 
+def _read_key_file(path, source):
+    """The key held by the file ``path`` (whitespace around it stripped)."""
+    path = os.path.expanduser(os.fspath(path))
+    try:
+        data = read_regular_file(path, max_bytes=_MAX_KEY_FILE_BYTES)
+    except FileNotFoundError:
+        raise ValueError(f"the cache key file {path} ({source}) does not exist.") from None
+    except OSError as exc:
+        raise ValueError(f"the cache key file {path} ({source}) cannot be read "
+                         f"({exc.strerror or type(exc).__name__}).") from None
+    except ValueError as exc:
+        raise ValueError(f"the cache key file {path} ({source}) was refused: {exc}") from None
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        mode = 0
+    if mode & 0o006:
+        warnings.warn(f"the cache key file {path} ({source}) can be "
+                      f"{'read' if mode & 0o004 else 'written'} by every user of this "
+                      f"machine (mode {mode:04o}): whoever can read it can sign cache "
+                      f"entries, whoever can write it can choose the key. Make it "
+                      f"readable only by the users who share the cache (chmod 600 or 640).",
+                      RuntimeWarning, stacklevel=4)
+    return data.strip()
+
+
+def _cache_key(mac_key):
+    """``(key bytes or None, where it came from)`` for :class:`ActivationCache`'s ``mac_key``.
+
+    Never puts the key itself in a message.
+    """
+    if mac_key is False:
+        return None, None
+    if mac_key is None:
+        text = os.environ.get(CACHE_KEY_ENV)
+        file = os.environ.get(CACHE_KEY_FILE_ENV)
+        if text is not None and file is not None:
+            raise ValueError(f"both {CACHE_KEY_ENV} and {CACHE_KEY_FILE_ENV} are set; set "
+                             "one of them (the key, or a file that holds it).")
+        if text is not None:
+            key, source = text.encode("utf-8"), f"the environment variable {CACHE_KEY_ENV}"
+        elif file is not None:
+            if not file:
+                raise ValueError(f"{CACHE_KEY_FILE_ENV} is set but empty; name the file "
+                                 "that holds the cache key, or unset it.")
+            source = f"named by {CACHE_KEY_FILE_ENV}"
+            key = _read_key_file(file, source)
+        else:
+            return None, None
+    elif isinstance(mac_key, (bytes, bytearray, memoryview)):
+        key, source = bytes(mac_key), "mac_key"
+    elif isinstance(mac_key, os.PathLike):
+        source = "mac_key"
+        key = _read_key_file(mac_key, source)
+    else:  # a str may be the key itself: say its type only
+        raise TypeError("mac_key must be bytes (the key), a path-like object such as "
+                        "pathlib.Path (a file that holds it), False (no key, whatever "
+                        "the environment says) or None (the environment's "
+                        f"{CACHE_KEY_ENV} / {CACHE_KEY_FILE_ENV}), got "
+                        f"{type(mac_key).__name__}.")
+    if len(key) < _MIN_KEY_BYTES:
+        raise ValueError(f"the cache key from {source} has {len(key)} bytes; a cache key "
+                         f"needs at least {_MIN_KEY_BYTES} (for example the output of "
+                         "`python -c 'import secrets; print(secrets.token_hex(32))'`).")
+    return key, source
+
+
 class ActivationCache:
     """Two-level (memory, disk) cache of per-conversation activations.
 
@@ -289,12 +394,24 @@ class ActivationCache:
     memory : MemoryLRU, True, False or None, default=True
         ``True``: the process-wide :func:`shared_memory_cache`; a
         :class:`MemoryLRU`: that instance; ``False``/``None``: no memory layer.
+    mac_key : bytes, path-like, False or None, default=None
+        The cache key of a folder shared between users (or downloaded): every entry
+        is written with an HMAC-SHA256 of its header and values under this key, and
+        an entry without a valid one is refused (warned about, counted in
+        ``stats["unsigned"]``, recomputed and overwritten). ``bytes``: the key (at
+        least 16 bytes); a path-like object (e.g. :class:`pathlib.Path`, not a
+        ``str``): a file holding it. ``None``: the environment's
+        ``SKAFA_CACHE_KEY`` (the key, UTF-8) or ``SKAFA_CACHE_KEY_FILE`` (a file
+        holding it), and no key when neither is set. ``False``: no key, whatever the
+        environment says. The key is read once, here, and never logged.
 
     Attributes
     ----------
     stats : dict
         Counters since creation: ``memory_hits``, ``disk_hits``, ``misses``,
-        ``corrupt`` (entries rejected by a check), ``writes`` (disk files written).
+        ``corrupt`` (entries rejected by a check), ``unsigned`` (entries refused
+        for lack of a valid MAC under the cache key; always 0 without a key),
+        ``writes`` (disk files written).
 
     Examples
     --------
@@ -305,7 +422,7 @@ class ActivationCache:
     (2, 1, 4)
     """
 
-    def __init__(self, directory=None, memory=True):
+    def __init__(self, directory=None, memory=True, *, mac_key=None):
         self.directory = (None if directory is None
                           else os.path.expanduser(os.fspath(directory)))
         if memory is True:
@@ -313,8 +430,37 @@ class ActivationCache:
         elif memory is False:
             memory = None
         self.memory = memory
+        self._mac_key, _ = _cache_key(mac_key)
+        # Entries checked under a key live apart in the (shared) memory layer: an entry
+        # another cache of this process read without the key is not trusted here.
+        self._memory_tag = ("" if self._mac_key is None else ":mac-" + hmac.new(
+            self._mac_key, b"skafa.activations.memory/1", "sha256").hexdigest()[:16])
         self.stats = {"memory_hits": 0, "disk_hits": 0, "misses": 0, "corrupt": 0,
-                      "writes": 0}
+                      "unsigned": 0, "writes": 0}
+
+    @property
+    def signed(self):
+        """Whether entries are written with, and read only with, a valid keyed MAC."""
+        return self._mac_key is not None
+
+    def __repr__(self):  # never the key
+        return (f"{type(self).__name__}(directory={self.directory!r}, "
+                f"memory={self.memory is not None}, signed={self.signed})")
+
+    def disk_only(self):
+        """A cache of the same folder and key without the memory layer (for workers).
+
+        Returns
+        -------
+        cache : ActivationCache
+            Counting from zero. It carries the key (bytes): a pickled copy sent to a
+            worker process verifies and signs as this one does.
+        """
+        return type(self)(self.directory, memory=False,
+                          mac_key=False if self._mac_key is None else self._mac_key)
+
+    def _memory_key(self, key):
+        return key + self._memory_tag
 
     # ------------------------------------------------------------------ paths
     def path(self, key):
@@ -443,7 +589,7 @@ class ActivationCache:
         """
         sites = tuple(sites)
         if self.memory is not None:
-            entry = self.memory.get_entry(key)
+            entry = self.memory.get_entry(self._memory_key(key))
             if entry is not None:
                 out = _select(entry[0], entry[1], sites)
                 if out is not None and out.shape[0] == n_turns and out.shape[2] == hidden_size:
@@ -465,7 +611,7 @@ class ActivationCache:
         sites = tuple(sites)
         entries = []
         if self.memory is not None:
-            entries.append(self.memory.get_entry(key))
+            entries.append(self.memory.get_entry(self._memory_key(key)))
         if self.directory is not None and not any(
                 e is not None and _select(e[0], e[1], sites) is not None for e in entries):
             entries.append(self._peek_disk(key, n_turns, hidden_size))
@@ -477,8 +623,20 @@ class ActivationCache:
         if path is None or not os.path.exists(path):
             return None
         try:
-            return _read_entry(path, key, n_turns=n_turns, hidden_size=hidden_size)
+            return _read_entry(path, key, n_turns=n_turns, hidden_size=hidden_size,
+                               mac_key=self._mac_key)
+        except _Unsigned as exc:
+            self.stats["unsigned"] += 1
+            warnings.warn(
+                f"Ignoring activation cache entry {path}: {exc}. It will be recomputed "
+                "and overwritten (signed with the cache key).",
+                CacheCorruptionWarning,
+                stacklevel=3,
+            )
+            return None
         except Exception as exc:  # noqa: BLE001 - any failure means "do not use it"
+            # ...but a stop request (SIGTERM, Ctrl-C) that surfaced as this error stops
+            raise_if_stop_requested(f"reading the activation cache entry {path}", cause=exc)
             self.stats["corrupt"] += 1
             warnings.warn(
                 f"Ignoring corrupt activation cache entry {path}: {exc}. "
@@ -517,7 +675,7 @@ class ActivationCache:
         if disk:
             entries.append(self._peek_disk(key, n_turns, hidden))
         if self.memory is not None:
-            entries.append(self.memory.get_entry(key))
+            entries.append(self.memory.get_entry(self._memory_key(key)))
         entries = [e for e in entries
                    if e is not None and e[1].shape[0] == n_turns and e[1].shape[2] == hidden]
         merged_sites, merged = _union(entries + [(sites, values)])
@@ -525,7 +683,7 @@ class ActivationCache:
             self._put_memory(key, merged_sites, merged)
         if disk:
             try:
-                _write_entry(self.path(key), key, merged_sites, merged)
+                _write_entry(self.path(key), key, merged_sites, merged, mac_key=self._mac_key)
             except OSError as exc:  # a full or read-only disk must not stop extraction
                 warnings.warn(f"Could not write activation cache entry {self.path(key)}: "
                               f"{exc}. Continuing without it.", RuntimeWarning, stacklevel=2)
@@ -537,12 +695,14 @@ class ActivationCache:
         if path is None or not os.path.exists(path):
             return None
         try:
-            return _read_entry(path, key, n_turns=n_turns, hidden_size=hidden)
-        except Exception:  # noqa: BLE001 - a corrupt entry is simply overwritten
+            return _read_entry(path, key, n_turns=n_turns, hidden_size=hidden,
+                               mac_key=self._mac_key)
+        except Exception as exc:  # noqa: BLE001 - a corrupt or unsigned entry is overwritten
+            raise_if_stop_requested(f"reading the activation cache entry {path}", cause=exc)
             return None
 
     def _put_memory(self, key, sites, values):
-        self.memory.put_entry(key, sites, values)
+        self.memory.put_entry(self._memory_key(key), sites, values)
 
     def clear_memory(self):
         """Empty the memory layer (shared by default: affects every user of it)."""
@@ -555,7 +715,23 @@ def _crc(values):
     return f"{zlib.crc32(memoryview(np.ascontiguousarray(values)).cast('B')) & 0xFFFFFFFF:08x}"
 
 
-def _write_entry(path, key, sites, values):
+class _Unsigned(ValueError):
+    """An entry without a valid MAC under the cache key."""
+
+
+def _entry_mac(mac_key, tensors, metadata):
+    """HMAC-SHA256 (hex) of an entry's header (less its digest and MAC) and tensors."""
+    h = hmac.new(mac_key, _MAC_DOMAIN, "sha256")
+    meta = {k: v for k, v in metadata.items() if k not in (DIGEST_KEY, MAC_KEY)}
+    h.update(json.dumps(meta, sort_keys=True, ensure_ascii=True).encode("utf-8"))
+    for name in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[name])
+        h.update(b"\0" + json.dumps([name, arr.dtype.str, list(arr.shape)]).encode("utf-8"))
+        h.update(memoryview(arr).cast("B") if arr.size else b"")
+    return h.hexdigest()
+
+
+def _write_entry(path, key, sites, values, mac_key=None):
     values = np.ascontiguousarray(values, dtype=np.float32)
     metadata = {
         "format": _FORMAT,
@@ -564,19 +740,31 @@ def _write_entry(path, key, sites, values):
         "shape": json.dumps(list(values.shape)),
         "crc32": _crc(values),
     }
+    if mac_key is not None:
+        metadata[MAC_KEY] = _entry_mac(mac_key, {_TENSOR: values}, metadata)
     write_safetensors(path, {_TENSOR: values}, metadata)
 
 
-def _read_entry(path, key, *, n_turns, hidden_size):
+def _read_entry(path, key, *, n_turns, hidden_size, mac_key=None):
     """Read and check one entry; raise ValueError describing any problem.
 
     The SHA-256 digest of :func:`~skafa.utils.fileio.read_safetensors` covers the
     header (key, site names, shape) and the values, so an entry whose site names
     were reordered is refused although its values' CRC still matches. Entries
     written before digests existed have none and are refused too (a miss: they are
-    recomputed and overwritten).
+    recomputed and overwritten). With ``mac_key``, the entry's keyed MAC is checked
+    before anything else of it is read (:class:`_Unsigned` when it is missing or
+    wrong), in constant time.
     """
     tensors, metadata = read_safetensors(path, require_digest=True, follow_symlinks=False)
+    if mac_key is not None:
+        stored = metadata.get(MAC_KEY)
+        if stored is None:
+            raise _Unsigned("it has no MAC (it was written without the cache key)")
+        if not hmac.compare_digest(str(stored).encode("utf-8", "replace"),
+                                   _entry_mac(mac_key, tensors, metadata).encode("ascii")):
+            raise _Unsigned("its MAC does not match the cache key (written with another "
+                            "key, or changed by someone who does not hold this one)")
     if metadata.get("format") != _FORMAT:
         raise ValueError(f"format {metadata.get('format')!r}, expected {_FORMAT!r}")
     if metadata.get("key") != key:

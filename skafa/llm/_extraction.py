@@ -557,8 +557,9 @@ def _extract_task(job, items, cache=None, progress=None, elsewhere=None):
     model = _task_model(job)
     hidden = job.get("width") or int(decoder_layout(model).embedding.weight.shape[-1])
     recheck = cache is None
-    if cache is None and job["cache_dir"] is not None:
-        cache = ActivationCache(job["cache_dir"], memory=False)
+    if cache is None and job["cache_dir"] is not None:  # a worker: the parent's folder and key
+        cache = (job["cache"].disk_only() if job.get("cache") is not None
+                 else ActivationCache(job["cache_dir"], memory=False))
     shared = cache is not None and cache.directory is not None
     out = [None] * len(items)
     todo = list(range(len(items)))
@@ -1312,6 +1313,8 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
             "verbose": int(self.verbose or 0),
             "cache_dir": (None if self.cache_dir is None
                           else os.path.expanduser(os.fspath(self.cache_dir))),
+            # workers open the same folder with the same cache key (SKAFA_CACHE_KEY...)
+            "cache": None if self.cache_dir is None else self._cache.disk_only(),
         }
         items = [{"key": keys[i], "input_ids": ids, "positions": pos, "starts": first,
                   "where": _where(i, X[i]), "speakers": list(X[i].speakers)}

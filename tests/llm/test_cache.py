@@ -118,7 +118,7 @@ def test_disk_roundtrip_subset_and_counters(tmp_path):
     np.testing.assert_array_equal(again.get(key, ["resid_pre.1"], n_turns=3, hidden_size=4),
                                   vals[:, [2]])
     assert cache.stats == {"memory_hits": 0, "disk_hits": 2, "misses": 1, "corrupt": 0,
-                           "writes": 1}
+                           "unsigned": 0, "writes": 1}
     # No temporary files left behind.
     assert glob.glob(os.path.join(tmp_path, "**", ".tmp-*"), recursive=True) == []
 
