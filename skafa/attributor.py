@@ -33,6 +33,7 @@ from sklearn.utils.validation import check_is_fitted
 from .base import DecisiveStepMixin
 from .compose import AttributionPipeline, final_step_input
 from .conversation import Conversation, check_conversations
+from .features import TurnFeatures
 from .metrics import (
     AGENT_RULES,
     BootstrapResult,
@@ -43,8 +44,8 @@ from .metrics import (
     within_k_accuracy,
 )
 from .persistence import PersistenceMixin
-from .utils.sklearn_compat import HasMethods, fit_context
-from .utils.validation import group_labels, labels_from_conversations
+from .utils.sklearn_compat import HasMethods, StrOptions, fit_context
+from .utils.validation import describe, group_labels, labels_from_conversations
 
 __all__ = ["FailureAttributor", "Attribution", "TurnRank", "AttributionReport"]
 
@@ -115,6 +116,13 @@ class Attribution:
         The conversation's identifiers.
     conversation : Conversation or None
         The conversation attributed (for :meth:`to_html`); not in :meth:`to_dict`.
+    shifted : bool or None
+        Whether the run looks unlike the training runs
+        (:class:`~skafa.domain.ShiftDetector`); None when the attributor has no
+        shift detector.
+    shift_score : float or None
+        The detector's score of the run (its thresholds: the central 95% of
+        held-out training runs' scores).
     """
 
     step: int
@@ -129,6 +137,8 @@ class Attribution:
     task_id: str | None = None
     record_id: str | None = None
     conversation: Conversation | None = None
+    shifted: bool | None = None
+    shift_score: float | None = None
 
     @property
     def n_turns(self) -> int:
@@ -155,6 +165,8 @@ class Attribution:
             "true_agent": self.true_agent,
             "task_id": self.task_id,
             "record_id": self.record_id,
+            "shifted": self.shifted,
+            "shift_score": self.shift_score,
         }
 
     def to_html(self, path=None, *, conversation=None, title=None):
@@ -200,6 +212,9 @@ class Attribution:
         if self.true_step is not None:
             head += f"; true step={self.true_step}, agent={self.true_agent!r}"
         lines = [head + ")"]
+        if self.shifted:
+            lines.append("  warning: this run looks unlike the training runs (shift score "
+                         f"{self.shift_score:.3g}); the blame may be near chance")
         if self.top_k:
             lines.append(f"  top {len(self.top_k)} turns:")
             width = max(len(r.agent) for r in self.top_k)
@@ -395,6 +410,15 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
         ``FailureAttributor(*make_configuration(model=model, prompt=...,
         cache_dir=...))``; an extractor passed with ``selector=None`` whose
         ``read`` or ``sites`` differ from the recommended ones gets a warning.
+    shift_detector : "auto", ShiftDetector or None, default="auto"
+        Fitted on the training features at the probe's sites
+        (:class:`~skafa.domain.ShiftDetector`, threshold calibrated on held-out
+        training runs); ``predict``, ``attribute`` and ``evaluate`` then warn with
+        :class:`~skafa.DistributionShiftWarning` when runs look unlike the
+        training runs, and :class:`Attribution` carries ``shifted``. ``"auto"``:
+        ``ShiftDetector()`` (with fewer task groups than its folds, as many folds
+        as groups; with fewer than two groups, or sparse features, no detector).
+        None: no detector.
     selector : estimator, default=None
         The estimator fitted on the features: anything with ``fit(X, y,
         groups=)``, ``predict``, ``turn_decision_function`` and
@@ -426,6 +450,8 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
         Per-site cross-validation results (idem; see :class:`~skafa.SiteSelector`).
     n_conversations_fit_ : int
         Number of training conversations.
+    shift_detector_ : ShiftDetector or None
+        Fitted on the training features at ``best_sites_`` (None: none).
 
     See Also
     --------
@@ -453,11 +479,13 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
     _parameter_constraints: dict = {
         "extractor": [str, HasMethods(["fit", "transform"])],
         "selector": [HasMethods(["fit", "predict", "turn_decision_function"]), None],
+        "shift_detector": [StrOptions({"auto"}), HasMethods(["fit", "predict"]), None],
     }
 
-    def __init__(self, extractor="smollm2", selector=None):
+    def __init__(self, extractor="smollm2", selector=None, *, shift_detector="auto"):
         self.extractor = extractor
         self.selector = selector
+        self.shift_detector = shift_detector
 
     #: ``fit`` and ``score`` read the conversations' labels when ``y`` is None.
     _decisive_requires_y = False
@@ -523,7 +551,43 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
             if hasattr(selector, name):
                 setattr(self, name, getattr(selector, name))
         self.n_conversations_fit_ = len(convs)
+        self.shift_detector_ = self._fit_shift_detector(Xt, groups)
         return self
+
+    def _fit_shift_detector(self, Xt, groups):
+        """The shift detector on the training features at the probe's sites, or None."""
+        from .domain import ShiftDetector
+
+        if self.shift_detector is None:
+            return None
+        dense = isinstance(Xt, TurnFeatures) and not Xt.is_sparse
+        if self.shift_detector == "auto":
+            if not dense:
+                return None
+            detector = ShiftDetector()
+            n_groups = (len(set(map(str, groups))) if groups is not None
+                        else Xt.n_conversations)
+            if n_groups < 2:
+                return None
+            detector.set_params(cv=min(detector.cv, n_groups))
+        else:
+            detector = clone(self.shift_detector)
+        sites = getattr(self, "best_sites_", None)
+        if detector.get_params().get("sites", "absent") is None and sites:
+            detector.set_params(sites=list(sites))
+        return detector.fit(Xt, groups=groups)
+
+    def _check_shift(self, Xt, convs, *, warn=True, stacklevel=4):
+        """Shift scores and flags of ``Xt`` (None, None without a detector); warns."""
+        detector = getattr(self, "shift_detector_", None)
+        if detector is None:
+            return None, None
+        scores = detector.score_samples(Xt)
+        flagged = detector.predict(Xt)
+        if warn and flagged.any():
+            names = [describe(convs, i) for i in range(len(convs))]
+            detector.check(Xt, names=names, stacklevel=stacklevel)
+        return scores, flagged
 
     #: The selector's results that :meth:`fit` copies onto the attributor.
     _SELECTOR_RESULTS = ("best_site_", "best_sites_", "best_index_", "best_params_",
@@ -600,7 +664,9 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
     # the fitted pipeline's, on the validated conversations.
     def _decisive_delegate(self, X, method):
         convs = self._convs(X)  # checks that it is fitted first
-        return self.pipeline_, convs
+        final, Xt = final_step_input(self.pipeline_, convs)
+        self._check_shift(Xt, convs, stacklevel=5)  # the user's predict(...) line
+        return final, Xt
 
     def _score(self, X, y, sample_weight):
         # Step accuracy; ``y=None`` reads the conversations' ``mistake_step``.
@@ -643,6 +709,7 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
         if defaulted:
             y = labels_from_conversations(convs, "FailureAttributor.evaluate")
         final, Xt = final_step_input(self.pipeline_, convs)
+        self._check_shift(Xt, convs)
         y = np.asarray(y)
         steps = np.asarray(final.predict(Xt), dtype=np.int64)
         if y.shape != steps.shape:
@@ -700,6 +767,7 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
         if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
             raise ValueError(f"top_k must be a positive int, got {top_k!r}.")
         final, Xt = final_step_input(self.pipeline_, [conversation])
+        shift_scores, flagged = self._check_shift(Xt, [conversation])
         scores = np.asarray(final.turn_decision_function(Xt)[0], dtype=np.float64)
         proba = np.asarray(final.turn_predict_proba(Xt)[0], dtype=np.float64)
         step = int(final.predict(Xt)[0])
@@ -723,6 +791,8 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
             task_id=conversation.task_id,
             record_id=conversation.record_id,
             conversation=conversation,
+            shifted=None if flagged is None else bool(flagged[0]),
+            shift_score=None if shift_scores is None else float(shift_scores[0]),
         )
 
     # ------------------------------------------------------------ persistence

@@ -280,6 +280,10 @@ def test_save_load_roundtrip(fitted, conversations, tmp_path):
     assert repr(loaded.attribute(test[0])) == repr(fitted.attribute(test[0]))
     assert loaded.evaluate(test, n_resamples=50, random_state=0).to_dict() == \
         fitted.evaluate(test, n_resamples=50, random_state=0).to_dict()
+    # the shift detector travels with the probe
+    assert loaded.shift_detector_.threshold_ == fitted.shift_detector_.threshold_
+    np.testing.assert_array_equal(loaded.shift_detector_.components_,
+                                  fitted.shift_detector_.components_)
     with pytest.raises(FileExistsError):
         fitted.save(path)
 
@@ -374,3 +378,59 @@ def test_extractor_with_another_read_than_recommended_warns(conversations):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _fa().fit(conversations[:20], y[:20])
+
+
+# ------------------------------------------------------------------ shift warning
+def test_shift_detector_is_fitted_at_the_probe_sites(fitted, conversations):
+    from skafa.domain import ShiftDetector
+
+    det = fitted.shift_detector_
+    assert isinstance(det, ShiftDetector)
+    assert det.sites_ == tuple(fitted.best_sites_)
+    assert det.calibration_scores_.shape == (30,)
+    assert det.cv == 4 or det.cv == 5
+
+
+def _with_thresholds(fa, low, high):
+    import copy
+
+    fa = copy.deepcopy(fa)
+    fa.shift_detector_.threshold_ = high
+    fa.shift_detector_.lower_threshold_ = low
+    return fa
+
+
+def test_shift_warning_at_predict_attribute_and_evaluate(fitted, conversations):
+    import warnings
+
+    from skafa import DistributionShiftWarning
+
+    test = conversations[30:34]
+    alarmed = _with_thresholds(fitted, -np.inf, -1.0)  # every run is "unlike"
+    with pytest.warns(DistributionShiftWarning,
+                      match=r"4 of 4 run\(s\) look unlike.*record 'synthetic/30'"):
+        steps = alarmed.predict(test)
+    np.testing.assert_array_equal(steps, fitted.predict(test))  # same predictions
+    with pytest.warns(DistributionShiftWarning):
+        att = alarmed.attribute(test[0])
+    assert att.shifted is True and att.shift_score is not None
+    assert att.to_dict()["shifted"] is True
+    assert "looks unlike the training runs" in repr(att)
+    with pytest.warns(DistributionShiftWarning):
+        alarmed.evaluate(test, n_resamples=20)
+    calm = _with_thresholds(fitted, -np.inf, np.inf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DistributionShiftWarning)
+        att = calm.attribute(test[0])
+        calm.predict(test)
+    assert att.shifted is False
+
+
+def test_without_a_shift_detector(conversations):
+    fa = _fa(cv=GroupKFold(4), random_state=0).set_params(shift_detector=None)
+    fa.fit(conversations[:30])
+    assert fa.shift_detector_ is None
+    att = fa.attribute(conversations[31])
+    assert att.shifted is None and att.shift_score is None
+    with pytest.raises(ValueError, match="shift_detector"):
+        _fa().set_params(shift_detector="always").fit(conversations[:30])

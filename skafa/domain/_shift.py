@@ -36,28 +36,28 @@ def _turn_matrix(X, sites):
     return np.asarray(block, dtype=np.float64).reshape(block.shape[0], -1)
 
 
-class _Reference:
-    """Standardised principal subspace of training turns; scores turns against it."""
+def _reference(M, k):
+    """Standardised principal subspace (``k`` components) of training turns."""
+    mean = M.mean(axis=0)
+    scale = M.std(axis=0)
+    scale = np.where(scale > 0, scale, 1.0)
+    Z = (M - mean) / scale
+    _, s, vt = np.linalg.svd(Z, full_matrices=False)
+    components = vt[:k]
+    var = (s[:k] ** 2) / max(Z.shape[0] - 1, 1)
+    var = np.where(var > 0, var, 1.0)
+    resid = Z - (Z @ components.T) @ components
+    resid_energy = max(float(np.mean(np.sum(resid ** 2, axis=1))), 1e-12)
+    return {"mean_": mean, "scale_": scale, "components_": components,
+            "explained_variance_": var, "residual_energy_": resid_energy}
 
-    def __init__(self, M, n_components):
-        self.mean = M.mean(axis=0)
-        scale = M.std(axis=0)
-        self.scale = np.where(scale > 0, scale, 1.0)
-        Z = (M - self.mean) / self.scale
-        k = max(1, min(n_components, Z.shape[0] - 1, Z.shape[1]))
-        _, s, vt = np.linalg.svd(Z, full_matrices=False)
-        self.components = vt[:k]
-        var = (s[:k] ** 2) / max(Z.shape[0] - 1, 1)
-        self.var = np.where(var > 0, var, 1.0)
-        resid = Z - (Z @ self.components.T) @ self.components
-        self.resid = max(float(np.mean(np.sum(resid ** 2, axis=1))), 1e-12)
 
-    def turn_scores(self, M):
-        Z = (M - self.mean) / self.scale
-        P = Z @ self.components.T
-        inside = np.mean(P ** 2 / self.var, axis=1)
-        outside = np.sum((Z - P @ self.components) ** 2, axis=1) / self.resid
-        return inside + outside
+def _turn_scores(ref, M):
+    Z = (M - ref["mean_"]) / ref["scale_"]
+    P = Z @ ref["components_"].T
+    inside = np.mean(P ** 2 / ref["explained_variance_"], axis=1)
+    outside = np.sum((Z - P @ ref["components_"]) ** 2, axis=1) / ref["residual_energy_"]
+    return inside + outside
 
 
 def _per_run(turn_scores, offsets):
@@ -105,6 +105,23 @@ class ShiftDetector(TurnInputMixin, BaseEstimator):
         Held-out scores of the training runs (one per run) the threshold came from.
     n_features_in_ : int
         Features per turn and site.
+    mean_, scale_ : ndarray of shape (cv, n_sites * n_features)
+        Standardisation of each calibration fold's training turns (sites side by
+        side).
+    components_ : ndarray of shape (cv, k, n_sites * n_features)
+        Top principal directions of each fold's standardised training turns.
+    explained_variance_ : ndarray of shape (cv, k)
+    residual_energy_ : ndarray of shape (cv,)
+        Mean squared norm of each fold's training turns outside its components.
+
+    Notes
+    -----
+    Cross-fitted: a held-out training run is scored against the reference of the
+    folds that do not hold it, and a new run by the mean of its scores against
+    every fold's reference — references of the same size, so new runs' scores and
+    the calibration scores are comparable. (A reference refitted on all training
+    runs would score new runs systematically lower, and a two-sided threshold
+    would flag them.)
 
     Examples
     --------
@@ -168,13 +185,19 @@ class ShiftDetector(TurnInputMixin, BaseEstimator):
         M = _turn_matrix(X, sites)
         offsets = np.asarray(X.offsets)
         held_out = np.empty(X.n_conversations)
-        for train, test in GroupKFold(n_splits=self.cv).split(
-                np.zeros(X.n_conversations), groups=np.asarray(groups).astype(str)):
-            ref = _Reference(_rows_in_order(M, offsets, train), self.n_components)
+        folds = list(GroupKFold(n_splits=self.cv).split(
+            np.zeros(X.n_conversations), groups=np.asarray(groups).astype(str)))
+        fewest = min(int(X.n_turns[train].sum()) for train, _ in folds)
+        k = max(1, min(self.n_components, fewest - 1, M.shape[1]))
+        refs = []
+        for train, test in folds:
+            ref = _reference(_rows_in_order(M, offsets, train), k)
             test_offsets = np.concatenate([[0], np.cumsum(X.n_turns[test])])
-            held_out[test] = _per_run(ref.turn_scores(_rows_in_order(M, offsets, test)),
+            held_out[test] = _per_run(_turn_scores(ref, _rows_in_order(M, offsets, test)),
                                       test_offsets)
-        self._reference = _Reference(M, self.n_components)
+            refs.append(ref)
+        for name in refs[0]:
+            setattr(self, name, np.stack([np.asarray(r[name]) for r in refs]))
         self.sites_ = sites
         self.n_features_in_ = int(X.n_features)
         self.calibration_scores_ = held_out
@@ -207,8 +230,12 @@ class ShiftDetector(TurnInputMixin, BaseEstimator):
         if missing:
             raise ValueError(f"ShiftDetector: X lacks the sites {_listed(missing)} it was "
                              "fitted on.")
-        return _per_run(self._reference.turn_scores(_turn_matrix(X, self.sites_)),
-                        np.asarray(X.offsets))
+        M = _turn_matrix(X, self.sites_)
+        names = ("mean_", "scale_", "components_", "explained_variance_",
+                 "residual_energy_")
+        turn = np.mean([_turn_scores({n: getattr(self, n)[f] for n in names}, M)
+                        for f in range(self.residual_energy_.shape[0])], axis=0)
+        return _per_run(turn, np.asarray(X.offsets))
 
     def predict(self, X):
         """Whether each run is flagged as unlike the training runs.
