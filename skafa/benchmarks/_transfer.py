@@ -217,7 +217,7 @@ def run_transfer_study(convs, X, frameworks, *, model="smollm2", selector=None,
         ys, yt = y[c["src"]], y[c["tgt"]]
         gs, gt = groups[c["src"]], groups[c["tgt"]]
         common = dict(train_sizes=list(train_sizes), n_draws=n_draws, random_state=seed,
-                      groups=gt)
+                      groups=gt, n_jobs=n_jobs)
         runs = {
             "target-only": dict(X=Xt, sizes=[s for s in train_sizes if s != 0]),
             "pooled": dict(X=Xt, X_source=Xs),

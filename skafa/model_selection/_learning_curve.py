@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+from joblib import Parallel, delayed
 from sklearn.base import clone
 from sklearn.model_selection import GroupKFold
 from sklearn.utils import check_random_state
@@ -72,6 +73,25 @@ def _fit(estimator, X, y, groups):
     if "groups" in params:
         return estimator.fit(X, y, groups=groups)
     return estimator.fit(X, y)
+
+
+def _fit_and_predict(estimator, X, y, groups, source, picked, test):
+    """One fit of the curve: on the picked target runs (pooled with the source)."""
+    if source is not None and picked.size:
+        X_source, y_source, g_src = source
+        X_fit = _join(X_source, _take(X, picked))
+        y_fit = np.concatenate([y_source, y[picked]])
+        g_fit = np.concatenate([g_src, groups[picked]])
+    elif source is not None:
+        X_fit, y_fit, g_fit = source
+    else:
+        X_fit, y_fit, g_fit = _take(X, picked), y[picked], groups[picked]
+    t = time.perf_counter()
+    est = _fit(clone(estimator), X_fit, y_fit, g_fit)
+    t_fit = time.perf_counter() - t
+    t = time.perf_counter()
+    pred = np.asarray(est.predict(_take(X, test)))
+    return pred, t_fit, time.perf_counter() - t
 
 
 def _draw_by_groups(pool, groups, k, rng):
@@ -239,7 +259,7 @@ class LearningCurveResult:
 def grouped_learning_curve(estimator, X, y, *, groups=None,
                            train_sizes=(0, 5, 10, 20, 1.0), n_draws=20, n_splits=5,
                            X_source=None, y_source=None, groups_source=None,
-                           label_order=None, random_state=None, verbose=0):
+                           label_order=None, n_jobs=None, random_state=None, verbose=0):
     """Step accuracy against the number of labelled runs, drawn by task groups.
 
     For every draw, the target runs ``X`` are split by a freshly shuffled
@@ -282,10 +302,13 @@ def grouped_learning_curve(estimator, X, y, *, groups=None,
         (e.g. the margin between a probe's two most probable turns,
         :func:`skafa.domain.label_priority`). Draws then differ only by their folds,
         so a comparison with random draws on the same ``random_state`` is paired.
+    n_jobs : int, default=None
+        Fits run in parallel (joblib); the draws are made before, in this
+        process, so the result does not depend on it.
     random_state : int, RandomState instance or None, default=None
         Seeds the folds and the draws.
     verbose : int, default=0
-        ``> 0``: one line per size with its running mean and an ETA.
+        ``> 0``: one line per size with its mean, and the time spent.
 
     Returns
     -------
@@ -335,6 +358,7 @@ def grouped_learning_curve(estimator, X, y, *, groups=None,
     times = {"fit": 0.0, "predict": 0.0}
     start = time.perf_counter()
     fold_seeds = rng.randint(np.iinfo(np.int32).max, size=n_draws)
+    jobs = []  # every fit, drawn here in one process so n_jobs cannot change them
     for i, size in enumerate(sizes):
         for d in range(n_draws):
             cv = GroupKFold(n_splits=n_splits, shuffle=True, random_state=int(fold_seeds[d]))
@@ -347,30 +371,23 @@ def grouped_learning_curve(estimator, X, y, *, groups=None,
                 else:
                     picked = np.sort(train[np.argsort(label_order[train], kind="stable")[:k]])
                 n_lab[i, d, f] = picked.size
-                if picked.size == 0 and not pooled:
-                    continue
-                if picked.size and pooled:
-                    X_fit = _join(X_source, _take(X, picked))
-                    y_fit = np.concatenate([y_source, y[picked]])
-                    g_fit = np.concatenate([g_src, groups[picked]])
-                elif pooled:
-                    X_fit, y_fit, g_fit = X_source, y_source, g_src
-                else:
-                    X_fit, y_fit, g_fit = _take(X, picked), y[picked], groups[picked]
-                t = time.perf_counter()
-                est = _fit(clone(estimator), X_fit, y_fit, g_fit)
-                times["fit"] += time.perf_counter() - t
-                t = time.perf_counter()
-                pred = np.asarray(est.predict(_take(X, test)))
-                times["predict"] += time.perf_counter() - t
-                hits[i, d, test] = (pred == y[test]).astype(float)
-        if verbose > 0:
-            done = (i + 1) / len(sizes)
-            spent = time.perf_counter() - start
+                if picked.size or pooled:
+                    jobs.append((i, d, picked, test))
+    source = (X_source, y_source, g_src) if pooled else None
+    done = Parallel(n_jobs=n_jobs)(
+        delayed(_fit_and_predict)(estimator, X, y, groups, source, picked, test)
+        for _, _, picked, test in jobs)
+    for (i, d, _, test), (pred, t_fit, t_pred) in zip(jobs, done):
+        hits[i, d, test] = (pred == y[test]).astype(float)
+        times["fit"] += t_fit
+        times["predict"] += t_pred
+    if verbose > 0:
+        for i, size in enumerate(sizes):
             with np.errstate(invalid="ignore"):
                 mean = np.nanmean(hits[i]) if np.isfinite(hits[i]).any() else float("nan")
-            say("grouped_learning_curve",
-                f"size {size!r}: mean step accuracy {mean:.3f} over {n_draws} draws "
-                f"({spent:.0f} s so far, ETA {spent / done - spent:.0f} s)")
+            say("grouped_learning_curve", f"size {size!r}: mean step accuracy {mean:.3f} "
+                f"over {n_draws} draws")
+        say("grouped_learning_curve", f"{len(jobs)} fits in "
+            f"{time.perf_counter() - start:.0f} s")
     return LearningCurveResult(train_sizes=list(sizes), n_labelled=n_lab, hits=hits,
                                groups=groups, pooled=pooled, times=times)

@@ -160,3 +160,12 @@ def test_label_order_takes_the_lowest_of_each_training_part():
     with pytest.raises(ValueError, match="label_order must hold 30"):
         grouped_learning_curve(GroupedArgmaxLogisticClassifier(), X, y, train_sizes=[4],
                                label_order=order[:-1])
+
+
+def test_n_jobs_does_not_change_the_result():
+    X, y = _data()
+    kw = dict(train_sizes=[5, 1.0], n_draws=2, random_state=3)
+    a = grouped_learning_curve(GroupedArgmaxLogisticClassifier(), X, y, **kw)
+    b = grouped_learning_curve(GroupedArgmaxLogisticClassifier(), X, y, n_jobs=2, **kw)
+    np.testing.assert_array_equal(a.hits, b.hits)
+    np.testing.assert_array_equal(a.n_labelled, b.n_labelled)
