@@ -151,7 +151,17 @@ def _positive_float(text):
 def _add_data(p, *, labelled=False):
     p.add_argument("data", metavar="DATA", type=_path,
                    help="Who&When folder, subset folder, or JSON file with a list of records"
-                        + (" (labelled: mistake_step)" if labelled else ""))
+                        + (" (labelled: mistake_step, or --labels)" if labelled else "")
+                        + "; or a trace file / folder of trace files (one run per .json: "
+                        "OpenTelemetry spans, ag2 trace files, LangGraph or AutoGen "
+                        "messages)")
+    p.add_argument("--format", default="auto",
+                   choices=("auto", "who-and-when", "otel", "langgraph", "autogen"),
+                   help="format of DATA (default: detected from the content; ag2 trace "
+                        "files are OpenTelemetry spans)")
+    p.add_argument("--labels", default=None, metavar="FILE", type=_path,
+                   help="labels side file (written by 'skafa label'), keyed by record id; "
+                        "its labels replace the records' own")
     p.add_argument("--subset", default=None,
                    help="only this subset: Algorithm-Generated (alias 'algorithm') or "
                         "Hand-Crafted ('hand'); default: every subset present")
@@ -338,6 +348,66 @@ def build_parser():
     p.add_argument("--output", default=None, metavar="FILE", type=_path,
                    help="also write the results and per-run predictions as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+
+    p = sub.add_parser(
+        "label", help="label runs by hand: decisive step and responsible agent",
+        description="Show every unlabelled run of DATA turn by turn (a page at a time, "
+                    "long turns folded), with a probe's top turns when --attributor names "
+                    "one, and ask for the decisive step and the responsible agent. Every "
+                    "answer is saved to --out at once: Ctrl-C or q stops, and the same "
+                    "command resumes. 'skafa fit DATA --labels FILE' reads the file.",
+        epilog="example:  skafa label my_runs/ --out labels.json --attributor probe/\n\n"
+               + _EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_data(p)
+    p.add_argument("--out", required=True, metavar="FILE", type=_path,
+                   help="labels file to write (read first: labelled runs are not asked "
+                        "again)")
+    p.add_argument("--attributor", default=None, metavar="MODEL_DIR", type=_path,
+                   help="a saved attributor whose top turns are shown as hints")
+    p.add_argument("--top-k", type=_positive, default=3, metavar="K",
+                   help="hint turns per run; K >= 1 (default: %(default)s)")
+    p.add_argument("--page-turns", type=_positive, default=10, metavar="N",
+                   help="turns per page; N >= 1 (default: %(default)s)")
+    p.add_argument("--fold", type=_positive, default=300, metavar="CHARS",
+                   help="characters of a turn shown before it is folded (default: "
+                        "%(default)s)")
+    p.add_argument("--relabel", action="store_true",
+                   help="ask again about runs that already have labels")
+
+    p = sub.add_parser(
+        "learning-curve", help="how accuracy grows with the number of labelled runs",
+        description="Step accuracy on DATA (your framework's labelled runs) against k "
+                    "labelled runs, drawn by task groups, many draws per k, optionally "
+                    "pooled with --source (labelled runs of another framework, e.g. "
+                    "Who&When). With --source, C and the sites are chosen once on the "
+                    "source and kept; without, the configured selector chooses them inside "
+                    "every fit (the smallest k needs as many tasks as --cv folds). Prints "
+                    "a table with CIs (draws and tasks) and the spread of single draws.",
+        epilog="example:  skafa learning-curve my_runs/ --labels labels.json --source "
+               "../shared/data/who_and_when --source-subset algorithm --shorten "
+               "middle_first --cache-dir ~/.cache/skafa --png curve.png\n\n" + _EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_data(p, labelled=True)
+    _add_model_options(p)
+    p.add_argument("--source", default=None, metavar="DATA", type=_path,
+                   help="labelled runs of another framework to pool with every draw")
+    p.add_argument("--source-subset", default=None,
+                   help="Who&When subset of --source")
+    p.add_argument("--sizes", default="0,5,10,20,all", metavar="LIST",
+                   help="labelled runs per fit: integers, or 'all' (default: %(default)s; "
+                        "0 needs --source)")
+    p.add_argument("--n-draws", type=_int_in(1, 10_000), default=20, metavar="N",
+                   help="draws per size, 1 to 10000 (default: %(default)s)")
+    p.add_argument("--folds", type=_folds, default=5, metavar="K",
+                   help="folds of DATA per draw; K >= 2 (default: %(default)s)")
+    p.add_argument("--n-resamples", type=_n_resamples, default=2000, metavar="N",
+                   help=f"bootstrap resamples, 1 to {N_RESAMPLES_MAX} (default: "
+                        "%(default)s)")
+    p.add_argument("--output", default=None, metavar="FILE", type=_path,
+                   help="also write the curve as JSON")
+    p.add_argument("--png", default=None, metavar="FILE.png", type=_path,
+                   help="plot of the curve")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     return parser
 
 
@@ -353,18 +423,22 @@ def _load_data(args, *, labelled):
     ``attribute`` and ``report`` blame them all the same; ``labelled=True``
     (``fit``) refuses them, naming one.
     """
-    from .datasets import load_who_and_when
     from .exceptions import ConversationError
+    from .integrations.files import read_runs
+    from .labelling import apply_labels, read_labels
 
     try:
-        data = load_who_and_when(args.data, subset=args.subset, labelled="auto")
-    except (FileNotFoundError, ConversationError, json.JSONDecodeError, ValueError) as exc:
+        every = read_runs(args.data, format=args.format, subset=args.subset)
+        if getattr(args, "labels", None) is not None:
+            every, n = apply_labels(every, read_labels(args.labels), source=args.labels)
+            print(f"skafa: {n} of {len(every)} runs labelled from {args.labels}",
+                  file=sys.stderr)
+    except (FileNotFoundError, ConversationError, json.JSONDecodeError, ValueError,
+            OSError) as exc:
         raise _DataError(str(exc)) from exc
-    convs = list(data.conversations)
-    convs = convs[args.offset:]  # --offset >= 0 and --limit >= 1: checked when parsed
+    convs = every[args.offset:]  # --offset >= 0 and --limit >= 1: checked when parsed
     if not convs:
-        raise _DataError(f"--offset {args.offset} skips all {len(data.conversations)} "
-                         "records.")
+        raise _DataError(f"--offset {args.offset} skips all {len(every)} records.")
     if args.limit is not None:
         convs = convs[: args.limit]
     if labelled:
@@ -640,16 +714,26 @@ def _cmd_attribute(args):
     fa = _load_attributor(args.model_dir, model=model, allow_model_mismatch=allow)
     convs = _load_data(args, labelled=False)
     rows = []
-    for conv in _progress(convs, desc="skafa: attributing", quiet=args.quiet):
-        rows.append(_attribute(fa, conv, args.top_k).to_dict())
+    from .exceptions import DistributionShiftWarning
+
+    with warnings.catch_warnings():  # counted and shown per run below
+        warnings.simplefilter("ignore", DistributionShiftWarning)
+        for conv in _progress(convs, desc="skafa: attributing", quiet=args.quiet):
+            rows.append(_attribute(fa, conv, args.top_k).to_dict())
+    shifted = [r for r in rows if r.get("shifted")]
     if not args.quiet:
         width = max([len(str(r["record_id"])) for r in rows] + [6])
         print(f"{'record':<{width}}  blamed turn  agent (p)  |  annotated turn  agent")
         for r in rows:
             truth = ("" if r["true_step"] is None
                      else f"  |  {r['true_step']:>3}  {r['true_agent']}")
+            mark = "  [unlike the training runs]" if r.get("shifted") else ""
             print(f"{str(r['record_id']):<{width}}  {r['step']:>11}  {r['agent']} "
-                  f"({r['probability']:.2f}){truth}")
+                  f"({r['probability']:.2f}){truth}{mark}")
+    if shifted:
+        print(f"skafa: warning: {len(shifted)} of {len(rows)} runs look unlike the runs the "
+              "probe was trained on (DistributionShiftWarning); its blame there may be near "
+              "chance: label some of them (skafa label) and refit", file=sys.stderr)
         n_unlabelled = sum(r["true_step"] is None for r in rows)
         if n_unlabelled < len(rows):
             from .metrics import drop_unlabelled
@@ -810,8 +894,116 @@ def _cmd_benchmark(args):
     return EXIT_OK
 
 
+def _cmd_label(args):
+    from .labelling import label_runs
+
+    _check_output_file(args.out, "--out")
+    fa = None
+    if args.attributor is not None:
+        fa = _load_attributor(args.attributor)
+    convs = _load_data(args, labelled=False)
+    try:
+        summary = label_runs(convs, args.out, attributor=fa, top_k=args.top_k,
+                             page_turns=args.page_turns, fold=args.fold,
+                             relabel=args.relabel)
+    except ValueError as exc:
+        raise _DataError(str(exc)) from exc
+    print(f"labelled {summary['labelled']} run(s), skipped {summary['skipped']}; "
+          f"{summary['total_in_file']} label(s) in {args.out}")
+    return EXIT_INTERRUPTED if summary["stopped"] else EXIT_OK
+
+
+def _parse_sizes(text):
+    sizes = []
+    for part in text.split(","):
+        part = part.strip()
+        if part == "all":
+            sizes.append(1.0)
+        elif part.isdigit() and int(part) <= 2**31 - 1:
+            sizes.append(int(part))
+        else:
+            raise _UsageError(f"--sizes: {part!r} is neither a non-negative integer nor "
+                              "'all'.")
+    return sizes
+
+
+def _cmd_learning_curve(args):
+    import numpy as np
+    from sklearn.base import clone
+
+    from .model_selection import SiteEnsemble, grouped_learning_curve
+
+    sizes = _parse_sizes(args.sizes)
+    if 0 in sizes and args.source is None:
+        raise _UsageError("--sizes 0 needs --source (with no labelled run, only another "
+                          "framework's runs can train the probe).")
+    _check_output_file(args.output, "--output")
+    _check_output_file(args.png, "--png")
+    convs = _load_data(args, labelled=True)
+    source = None
+    if args.source is not None:
+        import types
+
+        src_args = types.SimpleNamespace(data=args.source, format="auto",
+                                         subset=args.source_subset, labels=None,
+                                         offset=0, limit=None)
+        source = _load_data(src_args, labelled=True)
+    n_layers = _check_model(args.model, args.device, args.dtype)
+    fa = _make_attributor(args, verbose=0 if args.quiet else 1)
+    _check_sites(fa, n_layers, args)
+    pipeline = fa._make_pipeline()
+    extractor, selector = pipeline[0], pipeline[-1]
+    try:
+        X = extractor.fit(convs + (source or [])).transform(convs)
+        y = np.asarray([c.mistake_step for c in convs])
+        kw = {}
+        estimator = selector
+        if source is not None:
+            Xs = extractor.transform(source)
+            ys = np.asarray([c.mistake_step for c in source])
+            gs = np.asarray([str(c.task_id) for c in source], dtype=object)
+            chosen = clone(selector).fit(Xs, ys, groups=gs)
+            estimator = clone(chosen.best_estimator_)
+            if not isinstance(estimator, SiteEnsemble):
+                estimator = SiteEnsemble(estimator, sites=list(chosen.best_sites_))
+            kw = dict(X_source=Xs, y_source=ys, groups_source=gs)
+            if not args.quiet:
+                print(f"chosen on --source ({len(source)} runs): sites "
+                      f"{'+'.join(chosen.best_sites_)}, {chosen.best_params_}",
+                      file=sys.stderr)
+        res = grouped_learning_curve(
+            estimator, X, y, groups=[str(c.task_id) for c in convs], train_sizes=sizes,
+            n_draws=args.n_draws, n_splits=args.folds, random_state=args.seed,
+            verbose=0 if args.quiet else 1, **kw)
+    except KeyboardInterrupt:
+        raise _interrupted(args, "the learning curve (activations are cached)") from None
+    rows = res.summary(n_resamples=args.n_resamples, random_state=args.seed)
+    print(f"{'k':>6}  {'labelled':>8}  {'step accuracy [95% CI]':<26}  single draws "
+          "(10th-90th pct)")
+    for r in rows:
+        if not np.isfinite(r["mean"]):
+            continue
+        k = "all" if r["size"] == 1.0 and isinstance(r["size"], float) else r["size"]
+        print(f"{k!s:>6}  {r['n_labelled']:>8.1f}  {r['mean']:.3f} [{r['low']:.3f}, "
+              f"{r['high']:.3f}]      {r['spread_low']:.3f}-{r['spread_high']:.3f}")
+    if args.output is not None:
+        Path(args.output).write_text(json.dumps(
+            {"rows": rows, "n_runs": len(convs), "pooled": source is not None,
+             "n_source": len(source or []), "draw_scores": res.draw_scores.tolist()},
+            indent=1, default=float))
+    if args.png is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        ax = res.plot(label="pooled with --source" if source else "your runs only",
+                      n_resamples=args.n_resamples, random_state=args.seed)
+        ax.figure.savefig(args.png, dpi=120, bbox_inches="tight")
+    return EXIT_OK
+
+
 _COMMANDS = {"fit": _cmd_fit, "attribute": _cmd_attribute, "report": _cmd_report,
-             "benchmark": _cmd_benchmark}
+             "benchmark": _cmd_benchmark, "label": _cmd_label,
+             "learning-curve": _cmd_learning_curve}
 
 
 def main(argv=None):
