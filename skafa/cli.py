@@ -730,10 +730,6 @@ def _cmd_attribute(args):
             mark = "  [unlike the training runs]" if r.get("shifted") else ""
             print(f"{str(r['record_id']):<{width}}  {r['step']:>11}  {r['agent']} "
                   f"({r['probability']:.2f}){truth}{mark}")
-    if shifted:
-        print(f"skafa: warning: {len(shifted)} of {len(rows)} runs look unlike the runs the "
-              "probe was trained on (DistributionShiftWarning); its blame there may be near "
-              "chance: label some of them (skafa label) and refit", file=sys.stderr)
         n_unlabelled = sum(r["true_step"] is None for r in rows)
         if n_unlabelled < len(rows):
             from .metrics import drop_unlabelled
@@ -746,6 +742,10 @@ def _cmd_attribute(args):
             print(f"decisive turn found in {hits} of {len(truth)} labelled runs")
         if n_unlabelled:
             print(f"{n_unlabelled} of {len(rows)} runs carry no label (blamed, not scored)")
+    if shifted:
+        print(f"skafa: warning: {len(shifted)} of {len(rows)} runs look unlike the runs the "
+              "probe was trained on (DistributionShiftWarning); its blame there may be near "
+              "chance: label some of them (skafa label) and refit", file=sys.stderr)
     if args.output:
         Path(args.output).write_text(json.dumps(rows, indent=2), encoding="utf-8")
         if not args.quiet:

@@ -293,6 +293,15 @@ def attribution_html(attribution, conversation=None, *, title=None,
     if attribution.record_id:
         meta.append(f"record <code>{_esc(attribution.record_id)}</code>")
     out.append(f'<div class="meta">{" · ".join(meta)}</div>')
+    if getattr(attribution, "shifted", None):
+        out.append('<div class="card shift" id="shift-warning" role="alert" '
+                   'style="border-left:4px solid #b45309;background:#fffbeb;margin:8px 0">'
+                   '<div class="label">This run looks unlike the training runs</div>'
+                   f'<div class="meta">shift score {float(attribution.shift_score):.3g}, '
+                   "outside the central 95% of held-out training runs' scores. A probe "
+                   "trained on another framework's runs scores near chance: treat this "
+                   "blame as a guess, label some runs of this framework "
+                   "(<code>skafa label</code>) and refit.</div></div>")
 
     # summary: blamed turn, annotated turn, runner-ups
     out.append('<div class="summary" id="summary">')

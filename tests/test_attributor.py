@@ -282,8 +282,8 @@ def test_save_load_roundtrip(fitted, conversations, tmp_path):
         fitted.evaluate(test, n_resamples=50, random_state=0).to_dict()
     # the shift detector travels with the probe
     assert loaded.shift_detector_.threshold_ == fitted.shift_detector_.threshold_
-    np.testing.assert_array_equal(loaded.shift_detector_.components_,
-                                  fitted.shift_detector_.components_)
+    np.testing.assert_array_equal(loaded.shift_detector_.reference_components_,
+                                  fitted.shift_detector_.reference_components_)
     with pytest.raises(FileExistsError):
         fitted.save(path)
 

@@ -474,3 +474,14 @@ def test_dollar_in_speaker_names_plots():
     ax.set_title(_plot_text("$\\frac$ cost $5"))
     fig.savefig(io.BytesIO(), format="png")  # raises on unbalanced mathtext
     plt.close(fig)
+
+
+def test_a_run_unlike_the_training_runs_gets_a_warning_card(attribution):
+    import dataclasses
+
+    plain = dataclasses.replace(attribution, shifted=False).to_html()
+    assert 'id="shift-warning"' not in plain
+    shifted = dataclasses.replace(attribution, shifted=True, shift_score=123.4)
+    page = shifted.to_html()
+    assert 'id="shift-warning"' in page and "looks unlike the training runs" in page
+    assert "123" in page

@@ -48,15 +48,17 @@ def _reference(M, k):
     var = np.where(var > 0, var, 1.0)
     resid = Z - (Z @ components.T) @ components
     resid_energy = max(float(np.mean(np.sum(resid ** 2, axis=1))), 1e-12)
-    return {"mean_": mean, "scale_": scale, "components_": components,
-            "explained_variance_": var, "residual_energy_": resid_energy}
+    return {"reference_mean_": mean, "reference_scale_": scale,
+            "reference_components_": components, "reference_variance_": var,
+            "reference_residual_": resid_energy}
 
 
 def _turn_scores(ref, M):
-    Z = (M - ref["mean_"]) / ref["scale_"]
-    P = Z @ ref["components_"].T
-    inside = np.mean(P ** 2 / ref["explained_variance_"], axis=1)
-    outside = np.sum((Z - P @ ref["components_"]) ** 2, axis=1) / ref["residual_energy_"]
+    Z = (M - ref["reference_mean_"]) / ref["reference_scale_"]
+    P = Z @ ref["reference_components_"].T
+    inside = np.mean(P ** 2 / ref["reference_variance_"], axis=1)
+    outside = np.sum((Z - P @ ref["reference_components_"]) ** 2, axis=1)
+    outside = outside / ref["reference_residual_"]
     return inside + outside
 
 
@@ -105,13 +107,13 @@ class ShiftDetector(TurnInputMixin, BaseEstimator):
         Held-out scores of the training runs (one per run) the threshold came from.
     n_features_in_ : int
         Features per turn and site.
-    mean_, scale_ : ndarray of shape (cv, n_sites * n_features)
+    reference_mean_, reference_scale_ : ndarray of shape (cv, n_sites * n_features)
         Standardisation of each calibration fold's training turns (sites side by
         side).
-    components_ : ndarray of shape (cv, k, n_sites * n_features)
+    reference_components_ : ndarray of shape (cv, k, n_sites * n_features)
         Top principal directions of each fold's standardised training turns.
-    explained_variance_ : ndarray of shape (cv, k)
-    residual_energy_ : ndarray of shape (cv,)
+    reference_variance_ : ndarray of shape (cv, k)
+    reference_residual_ : ndarray of shape (cv,)
         Mean squared norm of each fold's training turns outside its components.
 
     Notes
@@ -231,10 +233,10 @@ class ShiftDetector(TurnInputMixin, BaseEstimator):
             raise ValueError(f"ShiftDetector: X lacks the sites {_listed(missing)} it was "
                              "fitted on.")
         M = _turn_matrix(X, self.sites_)
-        names = ("mean_", "scale_", "components_", "explained_variance_",
-                 "residual_energy_")
+        names = ("reference_mean_", "reference_scale_", "reference_components_",
+                 "reference_variance_", "reference_residual_")
         turn = np.mean([_turn_scores({n: getattr(self, n)[f] for n in names}, M)
-                        for f in range(self.residual_energy_.shape[0])], axis=0)
+                        for f in range(self.reference_residual_.shape[0])], axis=0)
         return _per_run(turn, np.asarray(X.offsets))
 
     def predict(self, X):

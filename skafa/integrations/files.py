@@ -157,7 +157,7 @@ def read_runs(path, *, format="auto", subset=None):
         raise ValueError(f"format={format!r}; expected 'auto' or one of {FORMATS}.")
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file or folder.")
+        raise FileNotFoundError(f"{path}: not found (no such file or folder).")
     if format == "who-and-when" or (format == "auto" and _looks_who_and_when(path)):
         return list(load_who_and_when(path, subset=subset, labelled="auto").conversations)
     if subset is not None:
