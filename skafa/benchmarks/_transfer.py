@@ -221,7 +221,9 @@ def run_transfer_study(convs, X, frameworks, *, model="smollm2", selector=None,
         runs = {
             "target-only": dict(X=Xt, sizes=[s for s in train_sizes if s != 0]),
             "pooled": dict(X=Xt, X_source=Xs),
-            "pooled, margin order": dict(X=Xt, X_source=Xs, label_order=c["margin"]),
+            "pooled, margin order": dict(X=Xt, X_source=Xs, label_order=c["margin"],
+                                         sizes=[s for s in train_sizes
+                                                if isinstance(s, int) and s > 0]),
         }
         if rule["winner"] is not None:
             As, At = _adapted(rule["winner"], Xs, Xt)

@@ -374,9 +374,21 @@ def grouped_learning_curve(estimator, X, y, *, groups=None,
                 if picked.size or pooled:
                     jobs.append((i, d, picked, test))
     source = (X_source, y_source, g_src) if pooled else None
-    done = Parallel(n_jobs=n_jobs)(
+    # with no target run drawn, every fold fits the same source runs: fit them once
+    everything = np.arange(n)
+    unique = [j for j in jobs if j[2].size] + ([(-1, -1, jobs[0][2][:0], everything)]
+                                              if any(not j[2].size for j in jobs) else [])
+    fitted = Parallel(n_jobs=n_jobs)(
         delayed(_fit_and_predict)(estimator, X, y, groups, source, picked, test)
-        for _, _, picked, test in jobs)
+        for _, _, picked, test in unique)
+    source_only = fitted[-1] if unique and unique[-1][0] == -1 else None
+    done, it = [], iter(fitted)
+    for _, _, picked, test in jobs:
+        if picked.size:
+            done.append(next(it))
+        else:
+            pred, t_fit, t_pred = source_only
+            done.append((pred[test], t_fit / len(jobs), t_pred / len(jobs)))
     for (i, d, _, test), (pred, t_fit, t_pred) in zip(jobs, done):
         hits[i, d, test] = (pred == y[test]).astype(float)
         times["fit"] += t_fit
