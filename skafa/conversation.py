@@ -21,7 +21,7 @@ __all__ = ["Turn", "Conversation", "check_conversations"]
 
 
 def _where(record_id: str | None) -> str:
-    return f"record {record_id!r}" if record_id is not None else "conversation"
+    return f"record {_clip(record_id, 200)}" if record_id is not None else "conversation"
 
 
 def _check_text(value, where, what):
@@ -49,7 +49,7 @@ def _speaker_of(msg, key, fallback, where, label):
     if speaker is not None and not isinstance(speaker, str):
         raise ConversationError(
             f"{where}: {label} field {key!r} must be text, got "
-            f"{type(speaker).__name__} {speaker!r}."
+            f"{type(speaker).__name__} {_clip(speaker)}."
         )
     if (speaker is None or not speaker.strip()) and fallback:
         speaker = msg.get(fallback)
@@ -62,6 +62,14 @@ def _parse_step(raw_step, where):
     ``int()`` would also accept ``"1_0"`` (10), ``"٣"`` and ``"２"``; those are
     not step numbers a dataset means.
     """
+    if raw_step is None:
+        raise ConversationError(
+            f"{where}: field 'mistake_step' is null, and labelled=True needs every label; "
+            "pass labelled='auto' to load it as an unlabelled run.")
+    if isinstance(raw_step, str) and not raw_step.strip():
+        raise ConversationError(
+            f"{where}: field 'mistake_step'={_clip(raw_step)} is not an integer (an "
+            "unlabelled run has mistake_step null or absent, not blank).")
     if isinstance(raw_step, bool):
         ok = False
     elif isinstance(raw_step, int):
@@ -87,7 +95,10 @@ def _clip(value, n=60):
     """``repr(value)`` cut to ``n`` characters (a field may hold megabytes)."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
         return f"<an int of {value.bit_length()} bits>"
-    text = repr(value)
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # an int of > 4,300 digits inside; deep nesting
+        return f"<a {type(value).__name__} too large to show>"
     return text if len(text) <= n else text[:n] + "..."
 
 
@@ -112,7 +123,7 @@ class Turn:
     def __post_init__(self):
         if not isinstance(self.speaker, str) or not self.speaker.strip():
             raise ConversationError(
-                f"Turn.speaker must be a non-empty string, got {self.speaker!r}."
+                f"Turn.speaker must be a non-empty string, got {_clip(self.speaker)}."
             )
         if not isinstance(self.content, str):
             raise ConversationError(
@@ -363,7 +374,7 @@ class Conversation:
 
     @classmethod
     def from_who_and_when(cls, record: Mapping, *, record_id: str | None = None,
-                          labelled=True) -> Conversation:
+                          labelled="auto") -> Conversation:
         """Build a conversation from one Who&When record (either subset).
 
         Algorithm-Generated records name the speaker in each turn's ``name``;
@@ -374,20 +385,32 @@ class Conversation:
         ``question_ID`` is required: it is the task id used as ``groups`` by
         grouped splitters, and a record without one would only fail much later.
 
+        A record whose ``mistake_step`` and ``mistake_agent`` are null or absent
+        (a run of your own, in the Who&When format, that nobody has annotated)
+        loads as an *unlabelled* conversation: ``mistake_step`` and
+        ``mistake_agent`` are ``None``. It can be attributed; ``fit`` refuses it,
+        naming it, and the metrics of :mod:`skafa.metrics` skip it and say how
+        many they skipped. Each label stands alone: a record with a step but a
+        null agent keeps its step (the agent is *not* filled in from the
+        speaker of that turn, which differs from the annotation in about one
+        record in nine; :attr:`mistake_speaker` gives the speaker), and a
+        record with an agent but a null step is unlabelled for the step
+        metrics and labelled for :func:`~skafa.metrics.agent_accuracy`.
+
         Parameters
         ----------
         record : mapping
             The parsed JSON record, with keys ``question``, ``ground_truth``,
-            ``question_ID``, ``history``, ``mistake_step``, ``mistake_agent``.
+            ``question_ID``, ``history`` and, when labelled, ``mistake_step``
+            and ``mistake_agent``.
         record_id : str, optional
             Name used in error messages and kept as :attr:`record_id`.
-        labelled : {True, "auto", False}, default=True
-            ``True``: ``mistake_step`` and ``mistake_agent`` are required (a
-            labelled benchmark record). ``"auto"``: each is used when present;
-            when null or absent it is ``None``, so a new failed run without
-            labels loads as an unlabelled conversation (``mistake_step`` None)
-            that can be attributed. ``False``: labels are ignored even when
-            present.
+        labelled : {"auto", True, False}, default="auto"
+            ``"auto"``: each label is used when present; when null or absent it
+            is ``None`` (an unlabelled run). ``True``: ``mistake_step`` and
+            ``mistake_agent`` are required and must not be null (to check that
+            a benchmark copy is fully labelled). ``False``: labels are ignored
+            even when present.
 
         Raises
         ------
@@ -396,7 +419,9 @@ class Conversation:
             included), an empty or non-text ``question_ID``, empty history, a turn
             without speaker, with a non-text ``name`` or content, text holding a
             lone surrogate, NaN or Infinity as ``question`` or ``ground_truth``, a
-            non-integer or out-of-range ``mistake_step``.
+            non-integer (blank, NaN, a float) or out-of-range ``mistake_step``, a
+            ``mistake_agent`` that is neither text nor null; with
+            ``labelled=True``, a null or absent label.
         """
         if labelled not in (True, False, "auto"):
             raise ValueError(f"labelled must be True, False or 'auto', got {labelled!r}.")
@@ -421,7 +446,7 @@ class Conversation:
         if isinstance(task_id, bool) or not isinstance(task_id, (str, int)) or task_id == "":
             raise ConversationError(
                 f"{where}: field 'question_ID' must be a non-empty string (the task id that "
-                f"groups runs of the same task), got {task_id!r}."
+                f"groups runs of the same task), got {_clip(task_id)}."
             )
         history = record["history"]
         if not isinstance(history, list):
@@ -455,7 +480,8 @@ class Conversation:
             )
         agent = record.get("mistake_agent") if labelled else None
         if not isinstance(agent, str) and not (agent is None and labelled != True):  # noqa: E712
-            hint = "; pass labelled='auto' to load it as unlabelled" if agent is None else ""
+            hint = ("; pass labelled='auto' to load it as unlabelled" if agent is None else
+                    f", got {type(agent).__name__} {_clip(agent)}")
             raise ConversationError(f"{where}: field 'mistake_agent' must be text{hint}.")
         known = {"question", "ground_truth", "question_ID", "history", "mistake_step",
                  "mistake_agent"}

@@ -231,11 +231,20 @@ def test_from_who_and_when_accepts_integer_steps(raw, expected):
     assert Conversation.from_who_and_when(_record(mistake_step=raw)).mistake_step == expected
 
 
-@pytest.mark.parametrize("raw", ["2.0", 2.0, True, None, "two", "", [1]])
-def test_from_who_and_when_rejects_non_integer_step(raw):
+@pytest.mark.parametrize("raw", ["2.0", 2.0, True, "two", "", " ", [1], float("nan"),
+                                 float("inf")])
+@pytest.mark.parametrize("labelled", [True, "auto"])
+def test_from_who_and_when_rejects_non_integer_step(raw, labelled):
     with pytest.raises(ConversationError, match="is not an integer") as info:
-        Conversation.from_who_and_when(_record(mistake_step=raw), record_id="AG/5")
+        Conversation.from_who_and_when(_record(mistake_step=raw), record_id="AG/5",
+                                       labelled=labelled)
     assert "'AG/5'" in str(info.value)
+
+
+def test_labelled_true_refuses_a_null_step():
+    with pytest.raises(ConversationError, match=r"'AG/5'.*mistake_step.*labelled='auto'"):
+        Conversation.from_who_and_when(_record(mistake_step=None), record_id="AG/5",
+                                       labelled=True)
 
 
 @pytest.mark.parametrize("raw", ["-1", "3", 10])
@@ -249,7 +258,7 @@ def test_from_who_and_when_missing_key(key):
     record = _record()
     del record[key]
     with pytest.raises(ConversationError, match=rf"missing required field\(s\) \['{key}'\]"):
-        Conversation.from_who_and_when(record, record_id="HC/2")
+        Conversation.from_who_and_when(record, record_id="HC/2", labelled=True)
 
 
 def test_from_who_and_when_optional_keys_may_be_missing():
@@ -286,7 +295,53 @@ def test_from_who_and_when_errors(change, message):
     if "history" in change and change["history"] and isinstance(change["history"], list):
         record["mistake_step"] = "0"
     with pytest.raises(ConversationError, match=message):
-        Conversation.from_who_and_when(record, record_id="AG/1")
+        Conversation.from_who_and_when(record, record_id="AG/1", labelled=True)
+
+
+# ------------------------------------------------------- unlabelled records
+def _without(record, *keys):
+    return {k: v for k, v in record.items() if k not in keys}
+
+
+@pytest.mark.parametrize("record", [
+    _record(mistake_step=None, mistake_agent=None),
+    _without(_record(), "mistake_step", "mistake_agent"),
+    _without(_record(mistake_step=None), "mistake_agent"),
+], ids=["null", "absent", "mixed"])
+def test_unlabelled_record_loads_by_default(record):
+    conv = Conversation.from_who_and_when(record, record_id="own/1")
+    assert conv.mistake_step is None and conv.mistake_agent is None
+    assert conv.mistake_speaker is None and conv.record_id == "own/1"
+    assert "mistake_step" not in dict(conv.metadata)
+    assert Conversation.from_dict(json.loads(json.dumps(conv.to_dict()))) == conv
+    with pytest.raises(ConversationError, match=r"'own/1'.*mistake_(step|agent)"):
+        Conversation.from_who_and_when(record, record_id="own/1", labelled=True)
+
+
+def test_half_labelled_records_keep_the_label_they_have():
+    # a step without an agent: the step is the label; the agent is not made up from
+    # the speaker (the annotation and the speaker differ in 15 of 130 records)
+    conv = Conversation.from_who_and_when(_record(mistake_agent=None), record_id="h/1")
+    assert (conv.mistake_step, conv.mistake_agent) == (2, None)
+    assert conv.mistake_speaker == "Math_Expert"
+    # an agent without a step: an agent-only annotation, unlabelled for steps
+    conv = Conversation.from_who_and_when(_record(mistake_step=None), record_id="h/2")
+    assert (conv.mistake_step, conv.mistake_agent) == (None, "Math_Expert")
+    for change in ({"mistake_agent": None}, {"mistake_step": None}):
+        with pytest.raises(ConversationError, match="'h/3'"):
+            Conversation.from_who_and_when(_record(**change), record_id="h/3", labelled=True)
+
+
+@pytest.mark.parametrize("step", ["", "  "])
+def test_blank_step_is_refused_with_the_unlabelled_spelling(step):
+    with pytest.raises(ConversationError, match=r"'b/1'.*mistake_step.*null or absent"):
+        Conversation.from_who_and_when(_record(mistake_step=step), record_id="b/1")
+
+
+@pytest.mark.parametrize("agent", [5, float("nan"), ["a"], True])
+def test_non_text_agent_is_refused_naming_its_type(agent):
+    with pytest.raises(ConversationError, match=r"'a/1'.*'mistake_agent' must be text, got"):
+        Conversation.from_who_and_when(_record(mistake_agent=agent), record_id="a/1")
 
 
 def test_from_who_and_when_rejects_non_mapping():
@@ -486,3 +541,15 @@ def test_lone_surrogate_from_json_record_names_record_and_turn():
     record = json.loads(json.dumps(_named_record()).replace('"y"', '"\\udc80"'))
     with pytest.raises(ConversationError, match=r"rec-j.*turn 1"):
         Conversation.from_who_and_when(record, record_id="rec-j")
+
+
+@pytest.mark.parametrize("change", [
+    {"question_ID": [10 ** 5000]},
+    {"history": [{"name": {"n": 10 ** 5000}, "content": "x"}]},
+    {"mistake_step": [10 ** 5000]},
+    {"mistake_agent": {"a": [10 ** 5000]}},
+])
+def test_errors_show_values_holding_huge_integers(change):
+    # repr() of a container holding an int of > 4,300 digits raises ValueError
+    with pytest.raises(ConversationError, match="'big/1'"):
+        Conversation.from_who_and_when(_named_record(**change), record_id="big/1")

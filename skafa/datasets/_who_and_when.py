@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -76,8 +77,10 @@ Fields of the returned Bunch (one entry per record, in order of subset, then num
 record id):
 
 - conversations : list of skafa.Conversation
-- mistake_steps : int array, the decisive turn of each conversation (the label ``y``)
-- mistake_agents : object array, the annotated responsible agent. It usually, but not
+- mistake_steps : int array, the decisive turn of each conversation (the label ``y``);
+  -1 for an unlabelled record (``mistake_step`` null or absent: runs of your own)
+- mistake_agents : object array, the annotated responsible agent (None when
+  unlabelled). It usually, but not
   always, equals the speaker of the decisive turn (a record may name ``Orchestrator``
   for a turn spoken as ``Orchestrator (-> WebSurfer)``); see
   skafa.metrics.agent_accuracy for the matching rules.
@@ -163,17 +166,118 @@ def _json_files(folder: Path) -> list:
 
 
 # --------------------------------------------------------------------- loading
-def _refuse_constant(name):
-    raise ValueError(f"{name} is not a JSON value (a record holds text and numbers)")
+#: Integers of more digits than this are refused (Python's int() refuses past 4,300).
+_MAX_INT_DIGITS = 4000
+
+
+class _Refused:
+    """Stands, in parsed JSON, for a value a record may not hold (NaN, a huge integer).
+
+    The parser keeps going, so the error can name the field where it stood
+    (``history[3].content``) rather than only the file.
+    """
+
+    __slots__ = ("what",)
+
+    def __init__(self, what):
+        self.what = what
+
+    def __repr__(self):
+        return self.what
+
+
+def _parsers(refused):
+    """``parse_constant``, ``parse_int`` and ``parse_float`` for :func:`json.loads`.
+
+    Each returns a :class:`_Refused` placeholder, appended to ``refused``, for a
+    value a record may not hold: NaN, Infinity, an integer of more than
+    ``_MAX_INT_DIGITS`` digits, a number that overflows a float (``1e999``).
+    """
+
+    def parse_constant(name):  # "NaN", "Infinity" or "-Infinity"
+        refused.append(_Refused(name))
+        return refused[-1]
+
+    def parse_int(text):
+        digits = len(text.lstrip("-"))
+        if digits > _MAX_INT_DIGITS:
+            refused.append(_Refused(f"an integer of {digits} digits"))
+            return refused[-1]
+        return int(text)
+
+    def parse_float(text):  # 1e999 is a JSON number, but it reads as inf
+        value = float(text)
+        if not math.isfinite(value):
+            shown = text if len(text) <= 40 else text[:40] + "..."
+            refused.append(_Refused(f"{shown} (a number too large for a float)"))
+            return refused[-1]
+        return value
+
+    return parse_constant, parse_int, parse_float
+
+
+def _field_path(parts):
+    """``("history", 3, "content")`` -> ``"history[3].content"``."""
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _find_refused(value):
+    """(path, _Refused) of the first refused value inside ``value``, or None.
+
+    Iterative (no recursion limit): parsed JSON is as deep as the parser allowed.
+    """
+    stack = [((), value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, _Refused):
+            return path, item
+        if isinstance(item, dict):
+            children = [(path + (k,), v) for k, v in item.items()]
+        elif isinstance(item, list):
+            children = [(path + (i,), v) for i, v in enumerate(item)]
+        else:
+            continue
+        stack.extend(reversed(children))  # depth first, in document order
+    return None
+
+
+def _check_record_values(record, where, record_id, refused=True):
+    """Raise naming ``where``, the record and the field when ``record`` holds a refused value.
+
+    A record's ``mistake_step`` of ``NaN``, a turn's ``content`` of ``Infinity`` or a
+    5,000-digit ``question_ID`` is valid JavaScript but not JSON; the error names the
+    field path, e.g. ``history[3].content``. With ``refused=False`` (the parser
+    made no placeholder) there is nothing to look for.
+    """
+    found = _find_refused(record) if refused else None
+    if found is None:
+        return
+    path, value = found
+    name = _field_path(path)
+    name = name if len(name) <= 200 else name[:200] + "..."
+    field = f"field {name!r}" if path else "the record"
+    raise ConversationError(
+        f"{where}: record {record_id!r}: {field} is {value!r}, which a record cannot hold "
+        "(NaN and Infinity are not JSON, and are refused rather than read as numbers; a "
+        f"record holds text and finite numbers, integers of at most {_MAX_INT_DIGITS} "
+        "digits).")
 
 
 def _read_json(file: Path):
-    """One JSON file as Python data; anything wrong with it is a ConversationError.
+    """One JSON file as ``(data, refused)``; anything wrong with it is a ConversationError.
 
     Regular files only, read at most their size (:func:`read_regular_file`);
-    ``NaN``/``Infinity``, integers of more digits than Python converts, and
-    nesting too deep to parse are refused naming the file, never raised as a
-    bare ``ValueError`` or ``RecursionError`` that ``strict=False`` cannot skip.
+    nesting too deep to parse is refused naming the file, never raised as a bare
+    ``ValueError`` or ``RecursionError`` that ``strict=False`` cannot skip.
+    ``NaN``/``Infinity``, integers of more than 4,000 digits and numbers that
+    overflow a float (``1e999``) are parsed into placeholders that :func:`_check_record_values` refuses naming the record and
+    the field; ``refused`` says whether there is any.
     """
     try:
         raw = read_regular_file(file)
@@ -183,13 +287,16 @@ def _read_json(file: Path):
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConversationError(f"{file}: not UTF-8 text ({exc}).") from None
+    refused = []
+    parse_constant, parse_int, parse_float = _parsers(refused)
     try:
-        return json.loads(text, parse_constant=_refuse_constant)
+        return json.loads(text, parse_constant=parse_constant, parse_int=parse_int,
+                          parse_float=parse_float), bool(refused)
     except json.JSONDecodeError as exc:
         raise ConversationError(f"{file}: not valid JSON ({exc}).") from None
     except RecursionError:
         raise ConversationError(f"{file}: not valid JSON (nested too deeply).") from None
-    except ValueError as exc:  # a 5,000-digit integer, NaN or Infinity
+    except ValueError as exc:  # anything else the parser refuses
         raise ConversationError(f"{file}: not valid JSON ({str(exc)[:200]}).") from None
 
 
@@ -229,6 +336,14 @@ def _plan(path: Path, subset):
     return [(folder_subset, path)]
 
 
+def _naming_record(exc, prefix, record_id):
+    """``exc`` with ``record '<id>': `` after its ``prefix`` (the file) when it lacks it."""
+    text = str(exc)
+    if text.startswith(prefix) and not text.startswith(prefix + "record "):
+        return ConversationError(f"{prefix}record {record_id!r}: {text[len(prefix):]}")
+    return exc
+
+
 def _records_of(subset_name, source: Path):
     """Yield (record_id, where, record_or_exception) for one folder or list file."""
     if source.is_dir():
@@ -245,11 +360,16 @@ def _records_of(subset_name, source: Path):
                 continue
             first[record_id] = file
             try:
-                yield record_id, str(file), _read_json(file)
+                record, refused = _read_json(file)
+                _check_record_values(record, str(file), record_id, refused)
             except ConversationError as exc:
-                yield record_id, str(file), exc
+                record = _naming_record(exc, f"{file}: ", record_id)
+            yield record_id, str(file), record
         return
-    data = _read_json(source)  # an unreadable list file is fatal even when not strict
+    data, refused = _read_json(source)  # an unreadable list file is fatal even when not strict
+    if isinstance(data, _Refused):
+        raise ConversationError(f"{source}: the file holds {data!r}, which is not valid "
+                                "JSON, not a list of records.")
     if isinstance(data, dict):
         data = [data]
     if not isinstance(data, list):
@@ -260,11 +380,16 @@ def _records_of(subset_name, source: Path):
     if not data:
         raise ValueError(f"{source}: the list of records is empty.")
     for i, record in enumerate(data):
-        yield f"{subset_name}/{i}", f"{source}[{i}]", record
+        record_id, where = f"{subset_name}/{i}", f"{source}[{i}]"
+        try:
+            _check_record_values(record, where, record_id, refused)
+        except ConversationError as exc:  # this record only: strict=False skips it
+            record = exc
+        yield record_id, where, record
 
 
 def load_who_and_when(path=None, subset=None, *, return_X_y=False, strict=True, verbose=0,
-                      labelled=True):
+                      labelled="auto"):
     """Load a local copy of the Who&When benchmark.
 
     Read more in the dataset description (``DESCR`` of the result).
@@ -287,18 +412,21 @@ def load_who_and_when(path=None, subset=None, *, return_X_y=False, strict=True, 
         Which subset to load; ``None`` loads every subset folder present. The
         case-insensitive aliases ``"algorithm"`` and ``"hand"`` are accepted.
     return_X_y : bool, default=False
-        If True, return ``(X, y, groups)`` instead of a Bunch.
+        If True, return ``(X, y, groups)`` instead of a Bunch. ``y`` holds ``-1``
+        for an unlabelled record (see ``labelled``).
     strict : bool, default=True
         If True, a malformed record raises. If False, malformed records are skipped,
         listed in ``skipped`` and summarised in one ``UserWarning``.
     verbose : int, default=0
         Print one line per subset when > 0, and every skipped file when > 1.
-    labelled : {True, "auto", False}, default=True
-        ``True``: every record must carry ``mistake_step`` and
-        ``mistake_agent`` (the benchmark). ``"auto"``: a record whose labels
-        are null or absent loads as an *unlabelled* conversation
-        (``mistake_step`` None; ``-1`` in ``mistake_steps``), e.g. new failed
-        runs to attribute. ``False``: labels are ignored. See
+    labelled : {"auto", True, False}, default="auto"
+        ``"auto"``: a record whose ``mistake_step`` / ``mistake_agent`` are null
+        or absent loads as an *unlabelled* conversation (``mistake_step`` None,
+        ``-1`` in ``mistake_steps`` and in ``y``; ``mistake_agent`` None), e.g.
+        runs of your own to attribute; a record with only one of the two keeps
+        that one. ``True``: every record must carry both (to check that a
+        benchmark copy is complete; a record without them is malformed, so
+        ``strict=False`` skips it). ``False``: labels are ignored. See
         :meth:`skafa.Conversation.from_who_and_when`.
 
     Returns
@@ -313,7 +441,8 @@ def load_who_and_when(path=None, subset=None, *, return_X_y=False, strict=True, 
             The decisive turn of each conversation; ``-1`` for an unlabelled
             one (scikit-learn's marker of unlabelled samples).
         mistake_agents : ndarray of object, shape (n_records,)
-            The annotated responsible agent (see the dataset description).
+            The annotated responsible agent (see the dataset description);
+            ``None`` for a record without one.
         task_ids : ndarray of object, shape (n_records,)
             The task id of each record (use it as ``groups``).
         record_ids : ndarray of object, shape (n_records,)
@@ -327,8 +456,9 @@ def load_who_and_when(path=None, subset=None, *, return_X_y=False, strict=True, 
             Description of the dataset.
 
     (X, y, groups) : tuple if ``return_X_y`` is True
-        ``X`` the list of conversations, ``y`` the int array of decisive steps,
-        ``groups`` the array of task ids.
+        ``X`` the list of conversations, ``y`` the int array of decisive steps
+        (``mistake_steps``: ``-1`` for an unlabelled record), ``groups`` the
+        array of task ids.
 
     Raises
     ------
@@ -338,7 +468,18 @@ def load_who_and_when(path=None, subset=None, *, return_X_y=False, strict=True, 
     ValueError
         For an unknown ``subset``. :class:`~skafa.ConversationError` (a
         ``ValueError``) for a malformed record when ``strict=True``; its message
-        names the file.
+        names the file (and, for a list file, the position), the record id and
+        the field: e.g. ``NaN`` as ``mistake_step`` or ``Infinity`` as
+        ``history[3].content`` (valid JavaScript, not JSON) is refused naming
+        ``mistake_step`` or ``history[3].content``.
+
+    Notes
+    -----
+    Unlabelled records (``y == -1``) can be attributed, not trained on: a
+    probe's ``fit`` refuses ``y == -1`` naming the record, so fit on the
+    labelled ones (``X[i]`` where ``y[i] >= 0``, or
+    :func:`skafa.metrics.drop_unlabelled`). The metrics of :mod:`skafa.metrics`
+    skip unlabelled conversations and warn with their number.
 
     See Also
     --------
@@ -468,7 +609,7 @@ def _extract(archive: Path, dest: Path) -> list:
 
 def fetch_who_and_when(data_home=None, *, subset=None, download_if_missing=True,
                        return_X_y=False, strict=True, url=WHO_AND_WHEN_URL, timeout=60.0,
-                       verbose=0):
+                       verbose=0, labelled="auto"):
     """Load the Who&When benchmark, downloading it into the data home if needed.
 
     The dataset is kept in ``<data_home>/who_and_when/{Algorithm-Generated,
@@ -505,6 +646,9 @@ def fetch_who_and_when(data_home=None, *, subset=None, download_if_missing=True,
         Network timeout in seconds.
     verbose : int, default=0
         Print progress when > 0.
+    labelled : {"auto", True, False}, default="auto"
+        As in :func:`load_who_and_when` (the public release is fully labelled;
+        ``True`` checks that).
 
     Returns
     -------
@@ -555,4 +699,4 @@ def fetch_who_and_when(data_home=None, *, subset=None, download_if_missing=True,
         if verbose > 0:
             say("fetch_who_and_when", f"saved to {folder}")
     return load_who_and_when(folder, subset, return_X_y=return_X_y, strict=strict,
-                             verbose=verbose)
+                             verbose=verbose, labelled=labelled)

@@ -22,6 +22,7 @@ conversation ``i`` and ``y_pred[i]`` the predicted one.
 
 from __future__ import annotations
 
+import functools
 import numbers
 import re
 import warnings
@@ -73,22 +74,105 @@ def _check_lengths(y_true, *others, names=("y_true", "y_pred")):
 
 
 def _is_unlabelled(step):
-    """An unlabelled conversation's step: None (Conversation.mistake_step) or -1 (arrays)."""
+    """An unlabelled conversation's step: None (Conversation.mistake_step) or -1 (arrays).
+
+    ``-1.0`` counts too (a float array of steps); ``True`` does not.
+    """
     if step is None:
         return True
     try:
-        return isinstance(step, numbers.Integral) and not isinstance(step, bool) and step == -1
+        return (isinstance(step, numbers.Real) and not isinstance(step, (bool, np.bool_))
+                and step == -1)
     except (TypeError, ValueError):
         return False
+
+
+def _unlabelled_mask(y_true, agents):
+    """Per conversation, whether its label is missing (None; for steps also -1)."""
+    if agents:
+        return [v is None for v in y_true]
+    return [_is_unlabelled(v) for v in y_true]
+
+
+def _skip_unlabelled(caller, y_true, *others, agents=False, stacklevel=3,
+                     names=("y_true", "y_pred")):
+    """``y_true`` and ``others`` without the unlabelled conversations, warning with their number.
+
+    The shared first step of every metric that scores against labels. Inputs that
+    are not sequences are returned unchanged so the metric's own checks name the
+    problem; sequences of different lengths are refused here, naming them.
+    """
+    if isinstance(y_true, (str, bytes)) or not hasattr(y_true, "__len__"):
+        return (y_true, *others)
+    if isinstance(y_true, np.ndarray) and y_true.ndim != 1:
+        return (y_true, *others)
+    n = len(y_true)
+    if isinstance(y_true, np.ndarray) and y_true.dtype.kind in "iuf":
+        keep = y_true != -1
+    else:
+        keep = ~np.asarray(_unlabelled_mask(y_true, agents), dtype=bool)
+    keep = np.asarray(keep, dtype=bool).reshape(n)
+    if keep.all():
+        return (y_true, *others)
+    if any(isinstance(o, (str, bytes)) or not hasattr(o, "__len__") for o in others):
+        return (y_true, *others)
+    for i, o in enumerate(others):
+        if len(o) != n:
+            name = names[i + 1] if i + 1 < len(names) else f"argument {i + 2}"
+            raise ValueError(f"{names[0]} and {name} have different lengths ({n} vs "
+                             f"{len(o)}).")
+    n_skipped = int(n - np.count_nonzero(keep))
+    what = "y_true None" if agents else "y_true None or -1"
+    if n_skipped == n:
+        raise ValueError(f"{caller}: all {n} conversations are unlabelled ({what}): there "
+                         "is nothing to score.")
+    warnings.warn(f"{caller}: skipped {n_skipped} unlabelled conversation(s) of {n} "
+                  f"({what}); scoring the {n - n_skipped} labelled ones.", UserWarning,
+                  stacklevel=stacklevel)
+    idx = np.flatnonzero(keep)
+    return tuple(seq[idx] if isinstance(seq, np.ndarray) else
+                 seq.iloc[idx] if hasattr(seq, "iloc") else [seq[i] for i in idx]
+                 for seq in (y_true, *others))
+
+
+def _refuse_unlabelled(caller, y_true):
+    """Raise for an unlabelled entry of ``y_true`` (per-conversation outputs cannot skip)."""
+    if isinstance(y_true, (str, bytes)) or not hasattr(y_true, "__len__"):
+        return
+    if isinstance(y_true, np.ndarray) and y_true.ndim != 1:
+        return
+    for i, v in enumerate(y_true):
+        if _is_unlabelled(v):
+            raise ValueError(
+                f"{caller}: y_true[{i}] is unlabelled ({v!r}); it returns one value per "
+                "conversation, so drop unlabelled conversations first: y_true, y_pred = "
+                "skafa.metrics.drop_unlabelled(y_true, y_pred).")
+
+
+# The metrics that score against labels, and whether their labels are agents (None
+# marks an unlabelled one) or steps (None or -1). bootstrap_ci and paired_bootstrap_ci
+# drop unlabelled conversations once, before resampling, for these only: in the online
+# metrics -1 is a safe run, not a missing label.
+def _label_kind(metric):
+    while isinstance(metric, functools.partial):
+        metric = metric.func
+    try:
+        return _LABEL_METRICS.get(metric)
+    except TypeError:  # an unhashable callable: not one of ours
+        return None
 
 
 def drop_unlabelled(y_true, *others):
     """Drop the conversations without a label, with a warning that counts them.
 
-    Unlabelled runs (``load_who_and_when(..., labelled="auto")``) can be
-    attributed but not scored. The metrics refuse a missing label (``None`` or
-    ``-1``) rather than guess; call this first to score the labelled runs of a
-    mixed set. It warns with the number skipped.
+    Unlabelled runs (``load_who_and_when`` reads a record whose labels are null
+    or absent as one) can be attributed but not scored. The metrics that return
+    one number (:func:`step_accuracy`, :func:`within_k_accuracy`,
+    :func:`agent_accuracy`, :func:`bootstrap_ci`, ...) skip them themselves and
+    warn with their number; call this to align other per-conversation arrays
+    (turn scores, groups, conversations) once, or before a function that
+    returns one value per conversation (:func:`lenient_step_matches`), which
+    refuses unlabelled ones. It warns with the number skipped.
 
     Parameters
     ----------
@@ -120,7 +204,7 @@ def drop_unlabelled(y_true, *others):
     """
     if isinstance(y_true, (str, bytes)) or not hasattr(y_true, "__len__"):
         return (y_true, *others)
-    keep = [not _is_unlabelled(v) for v in y_true]
+    keep = [not u for u in _unlabelled_mask(y_true, agents=False)]
     if all(keep):
         return (y_true, *others)
     n_skipped, n = keep.count(False), len(keep)
@@ -175,11 +259,17 @@ def step_accuracy(y_true, y_pred):
     ``"12"``); numbers computed here can therefore be slightly lower than ones
     computed with that script, which :func:`lenient_step_accuracy` reproduces.
 
+    Unlabelled conversations (``y_true`` ``None`` or ``-1``, as
+    :func:`~skafa.datasets.load_who_and_when` gives for a record without
+    ``mistake_step``) are skipped with a ``UserWarning`` that counts them; the
+    same holds for every metric here that scores against true steps or agents.
+
     Examples
     --------
     >>> step_accuracy([0, 2, 5, 1], [0, 3, 5, 1])
     0.75
     """
+    y_true, y_pred = _skip_unlabelled("step_accuracy", y_true, y_pred)
     t, p = _check_pair(y_true, y_pred)
     return float(np.mean(t == p))
 
@@ -203,7 +293,15 @@ def lenient_step_matches(y_true, y_pred):
     --------
     >>> lenient_step_matches([1, 1, 3], [1, 10, 4]).tolist()
     [True, True, False]
+
+    Raises
+    ------
+    ValueError
+        For an unlabelled conversation (``y_true`` ``None`` or ``-1``): the
+        hits are one per conversation, so drop those first with
+        :func:`drop_unlabelled` (passing whatever else must stay aligned).
     """
+    _refuse_unlabelled("lenient_step_matches", y_true)
     t, p = _check_pair(y_true, y_pred)
     return np.array([str(int(a)) in str(int(b)) for a, b in zip(t, p)], dtype=bool)
 
@@ -245,6 +343,7 @@ def lenient_step_accuracy(y_true, y_pred):
     >>> step_accuracy([1, 2, 5, 0], [10, 3, 5, 0])
     0.5
     """
+    y_true, y_pred = _skip_unlabelled("lenient_step_accuracy", y_true, y_pred)
     return float(np.mean(lenient_step_matches(y_true, y_pred)))
 
 
@@ -268,6 +367,7 @@ def within_k_accuracy(y_true, y_pred, k=1):
     0.75
     """
     k = _check_k(k)
+    y_true, y_pred = _skip_unlabelled("within_k_accuracy", y_true, y_pred)
     t, p = _check_pair(y_true, y_pred)
     return float(np.mean(np.abs(t - p) <= k))
 
@@ -292,6 +392,7 @@ def mean_absolute_step_shift(y_true, y_pred):
     >>> mean_absolute_step_shift([0, 2, 5, 1], [1, 4, 5, 1])
     0.75
     """
+    y_true, y_pred = _skip_unlabelled("mean_absolute_step_shift", y_true, y_pred)
     t, p = _check_pair(y_true, y_pred)
     return float(np.mean(np.abs(t - p)))
 
@@ -366,6 +467,10 @@ def top_k_step_accuracy(y_true, turn_scores, k=3):
     0.5
     """
     k = _check_k(k, minimum=1)
+    if isinstance(turn_scores, np.ndarray) and turn_scores.ndim == 2:
+        turn_scores = list(turn_scores)
+    y_true, turn_scores = _skip_unlabelled("top_k_step_accuracy", y_true, turn_scores,
+                                           names=("y_true", "turn_scores"))
     t = check_steps(y_true, name="y_true")
     _check_lengths(t)
     scores = _check_turn_scores(turn_scores, t.size)
@@ -497,9 +602,20 @@ def agent_accuracy(y_true_agents, y_pred_agents, *, rule="normalized"):
     >>> pred = ["Orchestrator (thought)", "websurfer", "Excel_Expert"]
     >>> [agent_accuracy(true, pred, rule=r) for r in ("exact", "normalized", "substring")]
     [0.3333333333333333, 1.0, 0.6666666666666666]
+
+    A conversation whose true agent is ``None`` (an unlabelled record) is
+    skipped with a ``UserWarning`` that counts the skipped ones.
     """
+    y_true_agents, y_pred_agents = _skip_unlabelled(
+        "agent_accuracy", y_true_agents, y_pred_agents, agents=True,
+        names=("y_true_agents", "y_pred_agents"))
     t, p = _agent_pair(y_true_agents, y_pred_agents, rule)
     return float(np.mean(_agent_hits(t, p, rule)))
+
+
+_LABEL_METRICS = {step_accuracy: False, lenient_step_accuracy: False,
+                  within_k_accuracy: False, mean_absolute_step_shift: False,
+                  top_k_step_accuracy: False, agent_accuracy: True}
 
 
 # ------------------------------------------------------------------ bootstrap
@@ -668,6 +784,23 @@ def _generic_stats(y_true, preds, metric, groups, n_resamples, random_state, com
     return stats
 
 
+def _skip_before_resampling(caller, metric, y_true, preds, groups):
+    """``(y_true, *preds, groups)`` without unlabelled conversations, for label metrics.
+
+    One warning counts them (not one per resample), and no resample can be
+    left with nothing to score. Other metrics get their input unchanged.
+    """
+    kind = _label_kind(metric)
+    if kind is None:
+        return (y_true, *preds, groups)
+    names = ("y_true",) + (("y_pred",) if len(preds) == 1 else ("y_pred_a", "y_pred_b"))
+    if groups is None:
+        return (*_skip_unlabelled(caller, y_true, *preds, agents=kind, stacklevel=4,
+                                  names=names), None)
+    return _skip_unlabelled(caller, y_true, *preds, groups, agents=kind, stacklevel=4,
+                            names=names + ("groups",))
+
+
 def bootstrap_ci(y_true, y_pred, metric=step_accuracy, *, n_resamples=2000, confidence=0.95,
                  random_state=None, groups=None):
     """Percentile-bootstrap confidence interval of a metric over conversations.
@@ -701,7 +834,12 @@ def bootstrap_ci(y_true, y_pred, metric=step_accuracy, *, n_resamples=2000, conf
     Returns
     -------
     result : BootstrapResult
-        ``(estimate, low, high, n, confidence)``.
+        ``(estimate, low, high, n, confidence)``. With a metric of this module
+        that scores against labels (a :func:`functools.partial` of one
+        included), unlabelled conversations (``y_true`` ``None`` or ``-1``;
+        ``None`` for an agent metric) are dropped once, with a ``UserWarning``
+        that counts them, before resampling, and ``n`` counts the labelled
+        ones.
 
     Examples
     --------
@@ -710,6 +848,8 @@ def bootstrap_ci(y_true, y_pred, metric=step_accuracy, *, n_resamples=2000, conf
     (0.75, True)
     """
     _check_bootstrap_params(n_resamples, confidence)
+    y_true, y_pred, groups = _skip_before_resampling("bootstrap_ci", metric, y_true,
+                                                     [y_pred], groups)
     estimate = float(metric(y_true, y_pred))
     n = len(y_true)
     per_sample = _per_sample_function(metric)
@@ -746,6 +886,7 @@ def paired_bootstrap_ci(y_true, y_pred_a, y_pred_b, metric=step_accuracy, *, n_r
     -------
     result : BootstrapResult
         ``estimate`` is ``metric(y_true, y_pred_a) - metric(y_true, y_pred_b)``.
+        Unlabelled conversations are dropped first, as in :func:`bootstrap_ci`.
 
     Examples
     --------
@@ -754,6 +895,8 @@ def paired_bootstrap_ci(y_true, y_pred_a, y_pred_b, metric=step_accuracy, *, n_r
     0.75
     """
     _check_bootstrap_params(n_resamples, confidence)
+    y_true, y_pred_a, y_pred_b, groups = _skip_before_resampling(
+        "paired_bootstrap_ci", metric, y_true, [y_pred_a, y_pred_b], groups)
     estimate = float(metric(y_true, y_pred_a)) - float(metric(y_true, y_pred_b))
     n = len(y_true)
     per_sample = _per_sample_function(metric)
@@ -770,7 +913,25 @@ def paired_bootstrap_ci(y_true, y_pred_a, y_pred_b, metric=step_accuracy, *, n_r
 
 # ------------------------------------------------------------------ scorers
 def _true_speakers(X, y):
-    """Speaker of the true decisive turn of every conversation of ``X``."""
+    """Speaker of the true decisive turn of every conversation of ``X``.
+
+    ``None`` for an unlabelled conversation (``y`` ``None`` or ``-1``), which
+    :func:`agent_accuracy` then skips.
+    """
+    unlabelled = None
+    if isinstance(y, (list, tuple)) or (isinstance(y, np.ndarray) and y.ndim == 1):
+        mask = _unlabelled_mask(y, agents=False)
+        if any(mask):
+            unlabelled = np.flatnonzero(mask)
+            y = [0 if u else v for v, u in zip(y, mask)]  # turn 0 exists; reset below
+    out = _labelled_speakers(X, y)
+    if unlabelled is not None:
+        for i in unlabelled:
+            out[i] = None
+    return out
+
+
+def _labelled_speakers(X, y):
     steps = check_steps(y, name="y")
     if hasattr(X, "speakers_at"):
         if getattr(X, "speakers", None) is None:

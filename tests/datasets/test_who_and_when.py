@@ -495,10 +495,11 @@ def test_unlabelled_runs_load_and_metrics_skip_them(tmp_path):
                                 "2.json": json.dumps(absent),
                                 "3.json": json.dumps(_role_record(mistake_step=None,
                                                              mistake_agent=None))})
-    with pytest.raises(ConversationError, match="labelled='auto'"):
-        load_who_and_when(folder)
-    data = load_who_and_when(folder, labelled="auto")
+    with pytest.raises(ConversationError, match=r"2\.json.*labelled='auto'"):
+        load_who_and_when(folder, labelled=True)
+    data = load_who_and_when(folder)  # labelled="auto" is the default
     assert [c.mistake_step for c in data.conversations] == [1, None, None]
+    assert data.mistake_agents.tolist() == ["y", None, None]
     assert data.mistake_steps.tolist() == [1, -1, -1]
     none = load_who_and_when(folder, labelled=False)
     assert all(c.mistake_step is None for c in none.conversations)
@@ -509,3 +510,99 @@ def test_unlabelled_runs_load_and_metrics_skip_them(tmp_path):
         drop_unlabelled([None, -1], [0, 0])
     conv = Conversation.from_who_and_when(absent, labelled="auto")
     assert conv.mistake_step is None and conv.mistake_agent is None
+
+
+def test_unlabelled_records_through_return_x_y_and_fit(tmp_path):
+    from skafa.baselines import DummyStepClassifier
+
+    folder = _folder(tmp_path, {"1.json": json.dumps(_role_record()),
+                                "2.json": json.dumps(_role_record(mistake_step=None,
+                                                                  mistake_agent=None))})
+    X, y, groups = load_who_and_when(folder, return_X_y=True)
+    assert [c.mistake_step for c in X] == [1, None] and y.tolist() == [1, -1]
+    assert y.dtype == np.int64 and groups.tolist() == ["T1", "T1"]
+    # fit refuses the -1 of an unlabelled record, naming the record
+    with pytest.raises(ValueError, match=r"y\[1\]=-1.*'Hand-Crafted/2'"):
+        DummyStepClassifier().fit(X, y)
+    # ... and the -1 is what the metrics skip
+    from skafa.metrics import step_accuracy
+    with pytest.warns(UserWarning, match="skipped 1 unlabelled"):
+        assert step_accuracy(y, [1, 0]) == 1.0
+
+
+def test_half_labelled_records_in_the_loader(tmp_path):
+    folder = _folder(tmp_path, {"1.json": json.dumps(_role_record(mistake_agent=None)),
+                                "2.json": json.dumps(_role_record(mistake_step=None))})
+    data = load_who_and_when(folder)
+    assert data.mistake_steps.tolist() == [1, -1]
+    assert data.mistake_agents.tolist() == [None, "y"]
+    with pytest.raises(ConversationError, match=r"1\.json.*'mistake_agent'"):
+        load_who_and_when(folder, labelled=True)
+
+
+def test_fetch_passes_labelled_through(tmp_path):
+    url = _archive(tmp_path).as_uri()
+    data = fetch_who_and_when(tmp_path / "home", url=url, labelled=False)
+    assert all(c.mistake_step is None for c in data.conversations)
+    assert set(data.mistake_steps.tolist()) == {-1}
+
+
+# ------------------------------------------------ NaN, Infinity and huge numbers
+def _text_with(record, field_value):
+    """The JSON text of ``record`` with the string "@@" replaced by ``field_value``."""
+    return json.dumps(record).replace('"@@"', field_value)
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_nan_step_names_file_and_field(tmp_path, value):
+    folder = _folder(tmp_path, {"1.json": json.dumps(_role_record()),
+                                "2.json": _text_with(_role_record(mistake_step="@@"), value)})
+    with pytest.raises(ConversationError) as info:
+        load_who_and_when(folder)
+    message = str(info.value)
+    assert "2.json" in message and "'Hand-Crafted/2'" in message
+    assert "field 'mistake_step'" in message and value in message
+    with pytest.warns(UserWarning, match="skipped 1"):
+        data = load_who_and_when(folder, strict=False)
+    assert data.record_ids.tolist() == ["Hand-Crafted/1"]
+    assert "field 'mistake_step'" in data.skipped[0][1]
+
+
+def test_infinity_in_a_turn_text_names_the_turn_field(tmp_path):
+    history = [{"role": "x", "content": "c"}, {"role": "y", "content": "@@"}]
+    folder = _folder(tmp_path, {"7.json": _text_with(_role_record(history=history),
+                                                     "Infinity")})
+    with pytest.raises(ConversationError,
+                       match=r"7\.json.*'Hand-Crafted/7'.*field 'history\[1\]\.content' is "
+                             r"Infinity"):
+        load_who_and_when(folder)
+
+
+def test_nan_in_a_list_file_names_the_record_and_skips_only_it(tmp_path):
+    records = [_role_record(), _role_record(), _role_record(extra={"deep": [1, "@@"]})]
+    records[1]["history"][0]["content"] = "@@"
+    text = json.dumps(records).replace('"@@"', "NaN", 1).replace('"@@"', "-Infinity")
+    path = tmp_path / "runs.json"
+    path.write_text(text)
+    with pytest.raises(ConversationError,
+                       match=r"runs\.json\[1\].*'runs/1'.*'history\[0\]\.content' is NaN"):
+        load_who_and_when(path)
+    with pytest.warns(UserWarning, match="skipped 2"):
+        data = load_who_and_when(path, strict=False)
+    assert data.record_ids.tolist() == ["runs/0"]
+    assert "'extra.deep[1]' is -Infinity" in data.skipped[1][1]
+
+
+def test_a_constant_as_a_whole_record_or_key_is_named(tmp_path):
+    path = tmp_path / "runs.json"
+    path.write_text("[NaN]")
+    with pytest.raises(ConversationError, match=r"runs\.json\[0\].*the record is NaN"):
+        load_who_and_when(path)
+
+
+def test_huge_integer_names_the_field(tmp_path):
+    digits = "7" * 5000
+    folder = _folder(tmp_path, {"3.json": _text_with(_role_record(question_ID="@@"), digits)})
+    with pytest.raises(ConversationError,
+                       match=r"3\.json.*field 'question_ID' is an integer of 5000 digits"):
+        load_who_and_when(folder)
