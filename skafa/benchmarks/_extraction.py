@@ -65,7 +65,7 @@ class ExtractionBenchmarkSettings:
 def _record(path, record_id=None):
     path = Path(path)
     return Conversation.from_who_and_when(
-        json.loads(path.read_text()),
+        json.loads(path.read_text()), labelled=True,
         record_id=record_id if record_id is not None else f"{path.parent.name}/{path.stem}")
 
 

@@ -124,7 +124,7 @@ def prepare_main_job(settings, *, log=None):
     t_start = time.perf_counter()
     times = {}
     subset = None if settings.subset == "all" else settings.subset
-    data = load_who_and_when(settings.data, subset=subset)
+    data = load_who_and_when(settings.data, subset=subset, labelled=True)  # it scores them
     convs = list(data.conversations)
     if settings.limit is not None:
         convs = convs[: settings.limit]

@@ -283,9 +283,13 @@ def check_steps(y, X=None, *, name="y"):
     neg = np.flatnonzero(arr < 0)
     if neg.size:
         i = int(neg[0])
+        unlabelled = (f" -1 marks an unlabelled conversation ({int((arr == -1).sum())} of "
+                      f"{arr.size} here): fitting needs a decisive step for every "
+                      f"conversation, so keep X[i] where {name}[i] >= 0, or label them "
+                      "(skafa label)." if arr[i] == -1 else "")
         raise ValueError(
             f"{name}[{i}]={int(arr[i])} is negative; steps are 0-based turn indices "
-            f"(the step of {name_of(i)})."
+            f"(the step of {name_of(i)}).{unlabelled}"
         )
     if n_turns is not None:
         bad = np.flatnonzero(arr >= n_turns)

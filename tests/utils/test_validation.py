@@ -107,3 +107,16 @@ def test_permuted_feature_names_are_refused_by_per_turn_and_site_concatenator():
         est.transform(X)
         with pytest.raises(ValueError, match="same order"):
             est.transform(Xp)
+
+
+def test_check_steps_explains_minus_one_as_unlabelled():
+    import numpy as np
+    import pytest
+
+    from skafa.utils.validation import check_steps
+
+    with pytest.raises(ValueError, match=r"-1 marks an unlabelled conversation \(1 of 3"):
+        check_steps(np.array([1, -1, 2]))
+    with pytest.raises(ValueError) as exc:
+        check_steps(np.array([1, -2, 2]))
+    assert "unlabelled" not in str(exc.value)
