@@ -101,9 +101,11 @@ def _margin_vs_random(result, n_resamples, seed):
         sizes = [r["size"] for r in curves["pooled"]["rows"]]
         if 10 not in sizes:
             return None
-        i = sizes.index(10)
-        rand = curves["pooled"]["_result"].hits[i].mean(axis=0)
-        marg = curves["pooled, margin order"]["_result"].hits[i].mean(axis=0)
+        margin = curves["pooled, margin order"]["_result"]
+        if 10 not in margin.train_sizes:
+            return None
+        rand = curves["pooled"]["_result"].hits[sizes.index(10)].mean(axis=0)
+        marg = margin.hits[margin.train_sizes.index(10)].mean(axis=0)
         diffs.append(marg - rand)
         groups += [f"{key}|{g}" for g in curves["pooled"]["_result"].groups]
     r = bootstrap_ci_from_scores(np.concatenate(diffs), n_resamples=n_resamples,
