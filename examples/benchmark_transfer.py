@@ -129,8 +129,13 @@ def main(argv=None):
     result["command"] = "python examples/benchmark_transfer.py " + " ".join(
         sys.argv[1:] if argv is None else argv)
     result["seconds"] = time.perf_counter() - t0
-    md = [f"# Transfer between Who&When's frameworks — {args.model}", "",
-          f"Command: `{result['command']}`", ""]
+    return write_outputs(result, args.out, args.model, n_resamples=args.n_resamples)
+
+
+def write_outputs(result, out, model, *, n_resamples=2000):
+    """Print the tables; with ``out``, write the JSON, the markdown and the curves' plot."""
+    md = [f"# Transfer between Who&When's frameworks — {model}", "",
+          f"Command: `{result.get('command', '')}`", ""]
     for key, d in result["directions"].items():
         md += [f"## {key}", "", f"Sites chosen on the source: {'+'.join(d['best_sites'])}, "
                f"{d['best_params']}", "", _table(d["rows"], d["paired"]), "",
@@ -146,17 +151,17 @@ def main(argv=None):
              f"{100 * r['high']:+.1f}] points (n = {r['n']})"
              for n, r in rule["differences"].items()),
            f"- winner: {rule['winner'] or 'none (adaptation is not the default)'}", ""]
-    if result["margin_vs_random_k10"]:
+    if result.get("margin_vs_random_k10"):
         m = result["margin_vs_random_k10"]
         md += [f"Margin order − random draws, pooled, k = 10: {100 * m['mean']:+.1f} "
                f"[{100 * m['low']:+.1f}, {100 * m['high']:+.1f}] points (n = {m['n']}): "
                + ("beats random." if m["beats_random"] else "does not beat random."), ""]
     text = "\n".join(md)
     log(text)
-    if args.out:
-        out = Path(args.out)
+    if out:
+        out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        tag = args.model.replace("/", "_")
+        tag = model.replace("/", "_")
         curves = {k: d.pop("curves", None) for k, d in result["directions"].items()}
         if any(curves.values()):
             import matplotlib
@@ -167,10 +172,11 @@ def main(argv=None):
             fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.6))
             for ax, (key, cs) in zip(np.atleast_1d(axes), curves.items()):
                 for method, c in cs.items():
-                    c["_result"].plot(ax=ax, label=method, n_resamples=args.n_resamples)
+                    c["_result"].plot(ax=ax, label=method, n_resamples=n_resamples)
                 ax.set_title(f"target: {key.split(' -> ')[1]} (source {key.split(' -> ')[0]})")
             fig.tight_layout()
             fig.savefig(out / f"transfer_{tag}.png", dpi=120)
+            plt.close(fig)
             for key, cs in curves.items():
                 for c in cs.values():
                     c.pop("_result")

@@ -65,6 +65,18 @@ def test_compare_with_baselines_help(compare, capsys):
 GUIDE = EXAMPLES.parent / "docs" / "user-guide.md"
 
 
+def _guide_pages():
+    """docs/user-guide.md (the index, with the setup snippet) and then each concept page
+    under docs/guide/ in the order the index links them."""
+    import re
+
+    pages = re.findall(r"\]\((guide/[^)#]+\.md)\)", GUIDE.read_text(encoding="utf-8"))
+    pages = list(dict.fromkeys(pages))
+    on_disk = sorted(f"guide/{p.name}" for p in (GUIDE.parent / "guide").glob("*.md"))
+    assert sorted(pages) == on_disk
+    return [GUIDE] + [GUIDE.parent / p for p in pages]
+
+
 def _python_blocks(text):
     """``(line, code)`` of every ```python block not preceded by ``<!-- not-run``."""
     import re
@@ -78,21 +90,23 @@ def _python_blocks(text):
 
 
 def test_user_guide_snippets_run(tmp_path, monkeypatch):
-    # Every runnable snippet of docs/user-guide.md, in order, in one namespace (they
-    # build on each other), on the tiny random model the guide registers as "tiny".
+    # Every runnable snippet of the user guide (docs/user-guide.md, then its pages under
+    # docs/guide/ in order), in one namespace (they build on each other), on the tiny
+    # random model the guide registers as "tiny".
     import sklearn
 
     from skafa.llm import unregister_model
 
-    blocks = _python_blocks(GUIDE.read_text(encoding="utf-8"))
+    blocks = [(f"{page}:{line}", code) for page in _guide_pages()
+              for line, code in _python_blocks(page.read_text(encoding="utf-8"))]
     assert len(blocks) > 20
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "user_guide"}
     unregister_model("tiny")
     try:
         with sklearn.config_context():  # the guide toggles metadata routing
-            for line, code in blocks:
-                exec(compile(code, f"{GUIDE}:{line}", "exec"), namespace)
+            for where, code in blocks:
+                exec(compile(code, where, "exec"), namespace)
     finally:
         unregister_model("tiny")
 
@@ -256,3 +270,4 @@ def test_benchmark_transfer_help(capsys):
         module.parse_args(["--help"])
     assert exc.value.code == 0
     assert "--cache-dir" in capsys.readouterr().out
+

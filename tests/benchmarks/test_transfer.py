@@ -68,3 +68,27 @@ def test_study_needs_two_frameworks():
     convs, X, _ = _two_frameworks(n_a=10, n_b=0)
     with pytest.raises(ValueError, match="exactly two"):
         run_transfer_study(convs, X, ["A"] * 10, curves=False)
+
+
+def test_the_example_writes_json_markdown_and_plot(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "benchmark_transfer.py"
+    spec = importlib.util.spec_from_file_location("skafa_example_transfer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    convs, X, fw = _two_frameworks()
+    selector = SiteSelector(GroupedSoftmaxClassifier(), param_grid={"C": [1.0]}, cv=3)
+    res = run_transfer_study(convs, X, fw, selector=selector, train_sizes=(0, 10, 1.0),
+                             n_draws=2, n_resamples=50)
+    res["margin_vs_random_k10"] = module._margin_vs_random(res, 50, 0)
+    assert res["margin_vs_random_k10"]["n"] == 50
+    module.write_outputs(res, tmp_path, "tiny", n_resamples=50)
+    data = json.loads((tmp_path / "transfer_tiny.json").read_text())
+    assert set(data["directions"]) == {"A -> B", "B -> A"}
+    assert "_result" not in json.dumps(data)
+    text = (tmp_path / "transfer_tiny.md").read_text()
+    assert "## A -> B" in text and "Adaptation rule" in text and "Margin order" in text
+    assert (tmp_path / "transfer_tiny.png").stat().st_size > 0
