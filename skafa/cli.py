@@ -523,6 +523,26 @@ def _sites(spec):
         raise _UsageError(f"--sites: {exc}") from exc
 
 
+def _default_convert_dir(args):
+    """Keep converted GGUF models where a second ``skafa`` call finds them.
+
+    ``<--cache-dir>/models`` (where the main job keeps them), else
+    ``$XDG_CACHE_HOME/skafa/models`` (``~/.cache/skafa/models``); an explicit
+    ``SKAFA_CONVERT_DIR`` wins, and an empty one turns the cache off.
+    """
+    from .llm import CONVERT_DIR_ENV
+
+    if CONVERT_DIR_ENV in os.environ:
+        return
+    cache_dir = getattr(args, "cache_dir", None)
+    if cache_dir:
+        folder = Path(cache_dir).expanduser() / "models"
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
+        folder = Path(base) / "skafa" / "models"
+    os.environ[CONVERT_DIR_ENV] = str(folder)
+
+
 def _check_model(model, device, dtype="auto"):
     """Load the model once (a clear error if it cannot be); return its layer count."""
     from .llm import decoder_layout, load_model
@@ -1023,6 +1043,21 @@ def main(argv=None):
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version (0) and usage errors (2)
         return int(exc.code or 0)
+    from .llm import CONVERT_DIR_ENV
+
+    had, before = CONVERT_DIR_ENV in os.environ, os.environ.get(CONVERT_DIR_ENV)
+    _default_convert_dir(args)
+    try:
+        return _run(args)
+    finally:  # main() called in-process (tests, notebooks) leaves the environment as it was
+        if had:
+            os.environ[CONVERT_DIR_ENV] = before
+        else:
+            os.environ.pop(CONVERT_DIR_ENV, None)
+
+
+def _run(args):
+    """Run the parsed command; map skafa's errors to exit codes."""
     from .exceptions import ConfigurationError
 
     try:

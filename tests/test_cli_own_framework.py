@@ -183,3 +183,57 @@ def test_label_loop_in_a_real_terminal_resumes_after_ctrl_c(tmp_path):
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
     assert list(read_labels(out)) == ["runs/0"]
+
+
+# ------------------------------------------------------- converted models, reused
+def test_every_command_keeps_converted_models_where_the_next_call_finds_them(
+        tmp_path, monkeypatch):
+    import os
+
+    from skafa import cli
+
+    seen = {}
+
+    def spy(args):
+        seen["dir"] = os.environ.get("SKAFA_CONVERT_DIR")
+        return EXIT_OK
+
+    monkeypatch.delenv("SKAFA_CONVERT_DIR", raising=False)
+    monkeypatch.setitem(cli._COMMANDS, "label", spy)
+    assert main(["label", str(tmp_path), "--out", str(tmp_path / "l.json"),
+                 "--format", "langgraph"]) == EXIT_OK
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert main(["label", str(tmp_path), "--out", str(tmp_path / "l.json")]) == EXIT_OK
+    assert seen["dir"] == str(tmp_path / "xdg" / "skafa" / "models")
+    assert "SKAFA_CONVERT_DIR" not in os.environ  # restored after main()
+    monkeypatch.setitem(cli._COMMANDS, "fit", spy)
+    assert main(["fit", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--out",
+                 str(tmp_path / "p")]) == EXIT_OK
+    assert seen["dir"] == str(tmp_path / "c" / "models")
+    monkeypatch.setenv("SKAFA_CONVERT_DIR", str(tmp_path / "mine"))
+    assert main(["fit", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--out",
+                 str(tmp_path / "p")]) == EXIT_OK
+    assert seen["dir"] == str(tmp_path / "mine")
+
+
+def test_load_model_takes_the_convert_dir_from_the_environment(tmp_path, monkeypatch):
+    from skafa.llm import _models, clear_model_cache, load_model
+
+    got = {}
+
+    def fake_load(spec, tok_source, dtype_name, device_name, trust, convert_dir=None):
+        got["convert_dir"] = convert_dir
+        raise RuntimeError("stop here")
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(64))
+    monkeypatch.setattr(_models, "_load", fake_load)
+    monkeypatch.setenv("SKAFA_CONVERT_DIR", str(tmp_path / "conv"))
+    clear_model_cache()
+    with pytest.raises(RuntimeError, match="stop here"):
+        load_model(str(gguf))
+    assert str(got["convert_dir"]) == str(tmp_path / "conv")
+    monkeypatch.setenv("SKAFA_CONVERT_DIR", "")
+    with pytest.raises(RuntimeError, match="stop here"):
+        load_model(str(gguf))
+    assert got["convert_dir"] is None

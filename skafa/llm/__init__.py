@@ -41,6 +41,7 @@ from ._head_attention import (
     turn_attention_mass,
 )
 from ._models import (
+    CONVERT_DIR_ENV,
     CPU_FLAGS,
     SMOLLM2_FILE,
     KnownModel,
@@ -97,6 +98,7 @@ from ._sites import (
 from ._streaming import TurnStream
 
 __all__ = [
+    "CONVERT_DIR_ENV",
     "ActivationCache",
     "BANDED_SDPA",
     "DEFAULT_INSTRUCTION",

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from ..persistence import register_model_locator, register_value_codec
 from ..utils.fileio import atomic_write_bytes, read_regular_file
+from ..utils.signals import raise_if_stop_requested, stop_requests
 from ._bf16 import bf16_matmul_via_float32
 
 __all__ = [
@@ -84,6 +85,10 @@ _DTYPES = ("float32", "float16", "bfloat16", "float64")
 _DIGESTS: dict = {}  # (resolved path, size, mtime_ns, inode) -> sha256 of the content
 _HASH_CHUNK = 1 << 22
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+#: Environment variable naming the default ``convert_dir`` of :func:`load_model` (the
+#: ``skafa`` command sets it to a user cache folder unless it is set already).
+CONVERT_DIR_ENV = "SKAFA_CONVERT_DIR"
+
 # converted-model cache (load_model(convert_dir=...)): <convert_dir>/<GGUF sha256>/
 _CONVERTED_FORMAT = "skafa-converted-model"
 _CONVERTED_VERSION = 1
@@ -662,7 +667,9 @@ default="auto"
         Passed to transformers.
     convert_dir : str or os.PathLike, default=None
         Folder of converted GGUF models, for a local ``.gguf`` file (ignored for
-        other models). Reading a GGUF file with transformers parses it three times
+        other models). ``None`` takes the environment variable
+        ``SKAFA_CONVERT_DIR`` (unset or empty: no folder); the ``skafa`` command
+        sets it to ``<--cache-dir>/models``, else a user cache folder. Reading a GGUF file with transformers parses it three times
         in pure Python (config, tokenizer, weights: about 40 s for SmolLM2); with
         ``convert_dir`` the first load also writes the float32 dequantised weights
         (safetensors), the config and the fast tokenizer to
@@ -706,6 +713,8 @@ default="auto"
     ``convert_dir``: the model is the same). Use :func:`clear_model_cache` to free
     memory.
     """
+    if convert_dir is None:  # a process-wide default (the skafa command sets it)
+        convert_dir = os.environ.get(CONVERT_DIR_ENV) or None
     if convert_dir is not None and not isinstance(convert_dir, (str, os.PathLike)):
         raise TypeError(f"load_model(convert_dir=...) takes a folder path, got "
                         f"{type(convert_dir).__name__}.")
@@ -751,7 +760,8 @@ def _load(spec, tok_source, dtype_name, device_name, trust_remote_code, convert_
     where = f"load_model({spec.path or spec.source!r})"
     if convert_dir is not None and spec.kind == "gguf":
         # float32 either way (read from the converted folder, or dequantised and saved)
-        lm, tok = _load_converted(spec, tok_source, kw, convert_dir, where)
+        with stop_requests():  # a stop while the folder is read is no unusable folder
+            lm, tok = _load_converted(spec, tok_source, kw, convert_dir, where)
         lm = lm.to(dtype=getattr(torch, dtype_name)).to(device_name)
         return _prepare(lm), tok
     torch_dtype = getattr(torch, dtype_name)
@@ -850,6 +860,10 @@ def _load_converted(spec, tok_source, kw, convert_dir, where):
             try:
                 lm, tok = _read_converted(folder, tok_source, kw["trust_remote_code"])
             except Exception as exc:  # noqa: BLE001 - a checked folder transformers refuses
+                # ...but a stop request (SIGTERM, Ctrl-C) that surfaced as this error stops:
+                # the folder is left alone, not removed and rebuilt
+                raise_if_stop_requested(f"reading the converted model folder {folder}",
+                                        cause=exc)
                 problem, stale = (f"transformers could not load it ({type(exc).__name__}: "
                                   f"{exc})"), False
             else:
@@ -1163,6 +1177,8 @@ def _write_converted(lm, tokenizer, root, digest, gguf):
         else:
             tmp = None
     except Exception as exc:  # noqa: BLE001 - caching is best effort, the model is loaded
+        # ...but a stop request that surfaced as this error stops (the finally cleans up)
+        raise_if_stop_requested(f"writing the converted model folder {final}", cause=exc)
         warnings.warn(f"Could not write the converted model of {gguf.name} to {final} "
                       f"({type(exc).__name__}: {exc}). The GGUF file is read again next "
                       "time.", RuntimeWarning, stacklevel=5)
