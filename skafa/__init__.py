@@ -58,6 +58,7 @@ _EXPORTS = {
     "grouped_learning_curve": "model_selection",
     # runs of another framework
     "ShiftDetector": "domain",
+    "CoralAdapter": "domain",
     # the recommended configuration and the one-call attributor
     "make_configuration": "configurations",
     "FailureAttributor": "attributor",

@@ -13,7 +13,7 @@ unlabelled runs); :func:`label_priority` orders unlabelled runs for labelling.
 # Authors: The skafa developers
 # SPDX-License-Identifier: MIT
 
-from ._adaptation import coral, label_priority, standardize_per_framework
+from ._adaptation import CoralAdapter, coral, label_priority, standardize_per_framework
 from ._shift import ShiftDetector
 
-__all__ = ["ShiftDetector", "coral", "label_priority", "standardize_per_framework"]
+__all__ = ["CoralAdapter", "ShiftDetector", "coral", "label_priority", "standardize_per_framework"]

@@ -43,3 +43,26 @@ def test_label_priority_margins():
     np.testing.assert_allclose(m, [0.1, 0.8, 1.0])
     with pytest.raises(ValueError, match="offsets"):
         label_priority([0.5, 0.5], [0, 3])
+
+
+def test_coral_adapter_matches_the_function_and_routes_two_frameworks():
+    from skafa.domain import CoralAdapter
+
+    S, T = _runs(0), _runs(1)
+    T = T.with_values(T.values * 3.0 + 2.0)
+    ad = CoralAdapter()
+    fitted_source = ad.fit_transform(S, target_X=T)
+    ref_source, ref_target = coral(S, T)
+    np.testing.assert_allclose(fitted_source.values, ref_source.values, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(ad.transform(T).values, ref_target.values, rtol=1e-4,
+                               atol=1e-4)
+    assert ad.n_target_runs_ == T.n_conversations
+    # without a target, the map is the identity on standardised features
+    own = CoralAdapter(regularization=1e-9).fit_transform(S)
+    np.testing.assert_allclose(own.values, standardize_per_framework(S).values, atol=1e-3)
+    with pytest.raises(ValueError, match="target_X has sites"):
+        CoralAdapter().fit(S, target_X=T.select_sites(["s0"]))
+    sub = ad.transform(T.select_sites(["s1"]))
+    np.testing.assert_allclose(sub.values[:, 0], ad.transform(T).values[:, 1])
+    with pytest.raises(ValueError, match="adapter was fitted on"):
+        ad.transform(S.with_values(S.values[..., :3]))
