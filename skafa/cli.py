@@ -274,6 +274,11 @@ def build_parser():
     _add_model_options(p)
     p.add_argument("--out", required=True, metavar="MODEL_DIR", type=_path,
                    help="folder to save the fitted attributor to (no pickle)")
+    p.add_argument("--target-runs", default=None, metavar="RUNS", type=_path,
+                   help="unlabelled runs of the framework the probe will be asked about, "
+                        "when it is not DATA's: adapt to them (CORAL, the pre-registered "
+                        "rule's winner; it lifts a probe to chance, not beyond: label some "
+                        "of your runs instead where you can)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing MODEL_DIR")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
@@ -714,8 +719,18 @@ def _cmd_fit(args):
     t = time.perf_counter()
     from .exceptions import PromptTooLongError
 
+    targets = None
+    if args.target_runs is not None:
+        import types
+
+        targets = _load_data(types.SimpleNamespace(
+            data=args.target_runs, format="auto", subset=None, labels=None, offset=0,
+            limit=None), labelled=False)
+        if not args.quiet:
+            print(f"adapting to {len(targets)} unlabelled runs of {args.target_runs} "
+                  "(CORAL)", file=sys.stderr)
     try:
-        fa.fit(convs)
+        fa.fit(convs, target_runs=targets)
     except PromptTooLongError as exc:
         raise _DataError(f"{exc} (use --shorten middle_first)") from exc
     except KeyboardInterrupt:

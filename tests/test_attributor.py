@@ -434,3 +434,26 @@ def test_without_a_shift_detector(conversations):
     assert att.shifted is None and att.shift_score is None
     with pytest.raises(ValueError, match="shift_detector"):
         _fa().set_params(shift_detector="always").fit(conversations[:30])
+
+
+def test_target_runs_fit_a_coral_adapter_between_extractor_and_selector(conversations,
+                                                                        tmp_path):
+    from skafa.domain import CoralAdapter
+
+    fa = _fa(cv=GroupKFold(4), random_state=0)
+    fa.fit(conversations[:30], target_runs=conversations[30:])
+    names = [name for name, _ in fa.pipeline_.steps]
+    assert names == ["acts", "adapt", "select"]
+    adapter = fa.pipeline_.named_steps["adapt"]
+    assert isinstance(adapter, CoralAdapter) and adapter.n_target_runs_ == 10
+    steps = fa.predict(conversations[30:])
+    assert steps.shape == (10,)
+    # the selector was fitted on re-coloured features: not the plain attributor's
+    plain = _fa(cv=GroupKFold(4), random_state=0).fit(conversations[:30])
+    a = fa.turn_decision_function(conversations[30:])
+    b = plain.turn_decision_function(conversations[30:])
+    assert any(not np.allclose(x, z) for x, z in zip(a, b))
+    att = fa.attribute(conversations[31])
+    assert 0 <= att.step < len(conversations[31])
+    loaded = FailureAttributor.load(fa.save(tmp_path / "adapted"))
+    np.testing.assert_array_equal(loaded.predict(conversations[30:]), steps)

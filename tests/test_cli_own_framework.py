@@ -237,3 +237,17 @@ def test_load_model_takes_the_convert_dir_from_the_environment(tmp_path, monkeyp
     with pytest.raises(RuntimeError, match="stop here"):
         load_model(str(gguf))
     assert got["convert_dir"] is None
+
+
+def test_fit_adapts_to_unlabelled_target_runs(traces, tiny_model, tmp_path, capsys):
+    from skafa import FailureAttributor
+
+    root, _ = traces
+    out = tmp_path / "adapted"
+    code = main(["fit", str(root / "lg"), "--labels", str(root / "labels.json"),
+                 "--target-runs", str(root / "ag"), "--model", MODEL, "--sites",
+                 "resid_pre.1,resid_final", "--cv", "3", "--out", str(out)])
+    assert code == EXIT_OK, capsys.readouterr().err
+    assert "adapting to 3 unlabelled runs" in capsys.readouterr().err
+    fa = FailureAttributor.load(out)
+    assert [n for n, _ in fa.pipeline_.steps] == ["acts", "adapt", "select"]
