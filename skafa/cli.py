@@ -172,6 +172,12 @@ def _add_data(p, *, labelled=False):
                    help="use only N records (after --offset; quick tries); N >= 1")
 
 
+def _add_n_resamples(p):
+    p.add_argument("--n-resamples", type=_n_resamples, default=2000, metavar="N",
+                   help=f"bootstrap resamples, 1 to {N_RESAMPLES_MAX} (default: "
+                        "%(default)s)")
+
+
 class _StoreModel(argparse.Action):
     """``--model``: store it, and note that it was given (``benchmark --attributor``
     uses the model only when it is named on the command line)."""
@@ -347,9 +353,7 @@ def build_parser():
     _add_allow_mismatch(p)
     p.add_argument("--folds", type=_folds, default=5, metavar="K",
                    help="outer folds; K >= 2 (default: %(default)s)")
-    p.add_argument("--n-resamples", type=_n_resamples, default=2000, metavar="N",
-                   help=f"bootstrap resamples, 1 to {N_RESAMPLES_MAX} (default: "
-                        "%(default)s)")
+    _add_n_resamples(p)
     p.add_argument("--output", default=None, metavar="FILE", type=_path,
                    help="also write the results and per-run predictions as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
@@ -405,9 +409,7 @@ def build_parser():
                    help="draws per size, 1 to 10000 (default: %(default)s)")
     p.add_argument("--folds", type=_folds, default=5, metavar="K",
                    help="folds of DATA per draw; K >= 2 (default: %(default)s)")
-    p.add_argument("--n-resamples", type=_n_resamples, default=2000, metavar="N",
-                   help=f"bootstrap resamples, 1 to {N_RESAMPLES_MAX} (default: "
-                        "%(default)s)")
+    _add_n_resamples(p)
     p.add_argument("--output", default=None, metavar="FILE", type=_path,
                    help="also write the curve as JSON")
     p.add_argument("--png", default=None, metavar="FILE.png", type=_path,
@@ -452,6 +454,15 @@ def _load_data(args, *, labelled):
             raise _DataError(f"{len(missing)} records carry no mistake_step label (e.g. "
                              f"{missing[0]}); this command needs labelled records.")
     return convs
+
+
+def _load_other_runs(path, *, subset=None, labelled):
+    """Every run of a second DATA argument (--source, --target-runs), format detected."""
+    import types
+
+    return _load_data(types.SimpleNamespace(data=path, format="auto", subset=subset,
+                                            labels=None, offset=0, limit=None),
+                      labelled=labelled)
 
 
 def _labelled_only(convs):
@@ -721,11 +732,7 @@ def _cmd_fit(args):
 
     targets = None
     if args.target_runs is not None:
-        import types
-
-        targets = _load_data(types.SimpleNamespace(
-            data=args.target_runs, format="auto", subset=None, labels=None, offset=0,
-            limit=None), labelled=False)
+        targets = _load_other_runs(args.target_runs, labelled=False)
         if not args.quiet:
             print(f"adapting to {len(targets)} unlabelled runs of {args.target_runs} "
                   "(CORAL)", file=sys.stderr)
@@ -977,12 +984,7 @@ def _cmd_learning_curve(args):
     convs = _load_data(args, labelled=True)
     source = None
     if args.source is not None:
-        import types
-
-        src_args = types.SimpleNamespace(data=args.source, format="auto",
-                                         subset=args.source_subset, labels=None,
-                                         offset=0, limit=None)
-        source = _load_data(src_args, labelled=True)
+        source = _load_other_runs(args.source, subset=args.source_subset, labelled=True)
     n_layers = _check_model(args.model, args.device, args.dtype)
     fa = _make_attributor(args, verbose=0 if args.quiet else 1)
     _check_sites(fa, n_layers, args)
