@@ -4,6 +4,12 @@
 #   examples/run_main_job.sh                          # 100 Algorithm-Generated records
 #   examples/run_main_job.sh --limit 20               # smoke run
 #   examples/run_main_job.sh --cache-dir /work/cache/skafa
+#   examples/run_main_job.sh --anytime-first 0        # no interim estimates
+#
+# Anytime: the conversations are extracted in a seeded random order, and after the
+# first 16 and then every 10 more an interim estimate (cross-validated on the
+# conversations extracted so far, labelled as such) is printed and written to
+# <cache-dir>/main-job/anytime.json and anytime.png; Ctrl-C prints the last one.
 #
 # Environment:
 #   SKAFA_VENV           virtual environment folder (default: .venv in the repo root)
@@ -36,5 +42,5 @@ fi
 
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 echo "[run_main_job] $(date -u +%FT%TZ) python $(python -c 'import sys; print(sys.version.split()[0])'), torch $(python -c 'import torch; print(torch.__version__)'), OMP_NUM_THREADS=$OMP_NUM_THREADS"
-echo "[run_main_job] quickstart: load Who&When, extract every site once (ETA printed before it starts; cached, so Ctrl-C and rerun resumes), cross-validate the probe, attribute one held-out run"
+echo "[run_main_job] quickstart: load Who&When, extract every site once in a seeded random order (ETA printed before it starts; cached, so Ctrl-C and rerun resumes) with interim estimates on the conversations extracted so far, cross-validate the probe on all, attribute one held-out run"
 exec python examples/quickstart.py "$@"

@@ -51,11 +51,11 @@ def _quickstart():
     return module
 
 
-def _run_quickstart(data, n_resamples, n_jobs="1"):
+def _run_quickstart(data, n_resamples, n_jobs="1", *extra):
     """examples/quickstart.py's main on the tiny model, memory cache only."""
     return _quickstart().main(["--data", str(data), "--model", MODEL, "--cache-dir", "",
                                "--sites", "stride:1", "--n-resamples", n_resamples,
-                               "--n-jobs", n_jobs])
+                               "--n-jobs", n_jobs, *extra])
 
 
 # ------------------------------------------------------------------ the package steps
@@ -158,6 +158,11 @@ def test_quickstart_runs_on_tiny_model(tmp_path, capsys):
     assert f"predicted: step {att.step}" in text and "true:" in text
     assert out["attributor"].best_site_ in out["sites"]
     assert "wall times:" in text and "extraction" in out["times"]
+    # anytime, by default: an interim estimate after 16 conversations (a seeded order);
+    # no cache dir, so the running estimate is not written
+    assert "interim estimate on 16 of 30 conversations extracted so far" in text
+    assert "running estimate: not written (no --cache-dir and no --anytime-out)" in text
+    assert "extraction of 30 conversations: ETA " in text and "measured/predicted" in text
 
 
 def test_n_jobs_reaches_the_site_search(tmp_path):
@@ -180,7 +185,7 @@ def test_quickstart_runs_a_configuration_with_position_features(tmp_path, capsys
 
     monkeypatch.setattr(skafa.configurations, "RECOMMENDED", "last: softmax/top3/acts+pos")
     data = write_who_and_when(tmp_path / "wnw", make_conversations(30, seed=12))
-    out = _run_quickstart(data, "50")
+    out = _run_quickstart(data, "50", "1", "--anytime-first", "0")  # the final figure only
     text = capsys.readouterr().out
     assert "configuration: 'last: softmax/top3/acts+pos'" in text
     select = out["attributor"].pipeline_.named_steps["select"]
