@@ -1,10 +1,14 @@
 """Exceptions and warnings raised by skafa, in one place.
 
 Every error names what it refuses (record, turn, field, site or file).
+:class:`StopRequested` (a SIGTERM or Ctrl-C while skafa works) lives in
+:mod:`skafa.utils.signals` and is re-exported here.
 """
 
 # Authors: The skafa developers
 # SPDX-License-Identifier: MIT
+
+from .utils.signals import StopRequested
 
 __all__ = [
     "CacheCorruptionWarning",
@@ -14,6 +18,7 @@ __all__ = [
     "ModelMismatchWarning",
     "PersistenceVersionWarning",
     "PromptTooLongError",
+    "StopRequested",
 ]
 
 

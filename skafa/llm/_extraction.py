@@ -34,6 +34,7 @@ from ..features import TurnFeatures
 from ..persistence import PersistenceMixin
 from ..utils.claims import wait_while_claimed
 from ..utils.progress import say
+from ..utils.signals import stop_requests
 from ..utils.sklearn_compat import Interval, StrOptions, fit_context
 from ..utils.validation import describe_conversation
 from ._attention import banded_sliding_window_attention
@@ -903,7 +904,7 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
     # skafa.persistence: never saved (rebuilt lazily or below); load(model=, device=)
     # replace those parameters; summarised in skafa.json and checked on load.
     _runtime_attributes = frozenset({"_model", "_tokenizer", "_layout", "_cache",
-                                     "_run_stats"})
+                                     "_run_stats", "_deferred_model_check"})
     _load_overrides = frozenset({"model", "device"})
     _reads_model = True
 
@@ -911,7 +912,12 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         """Check the model this extractor will use (see skafa.persistence)."""
         if hasattr(self, "model_fingerprint_"):
             checked = verify_saved_model(self, context)
-            if checked is not None and checked[2]:  # another model: its tokenizer keys the cache
+            if checked is None:  # verify_model=False: the first transform checks, as load would
+                self._deferred_model_check = {
+                    "allow_mismatch": bool(context.model_named
+                                           and context.allow_model_mismatch),
+                    "saved_at": context.saved_model_location}
+            elif checked[2]:  # another model: its tokenizer keys the cache
                 self.tokenizer_fingerprint_ = _tokenizer_fingerprint(checked[1])
 
     def __init__(self, model="smollm2", *, sites=None, read="last", prompt=None,
@@ -972,11 +978,28 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
             stats.update(cache.stats)
         return stats
 
-    def _load(self, fingerprint=None):
+    def _load(self, fingerprint=None, identity=None):
+        """Load the model; with ``fingerprint`` and ``identity`` (a fitted extractor),
+        check it is the one fitted with: other weights are refused as by
+        :func:`skafa.load`, unless the load that deferred the check
+        (``verify_model=False``) named the model and allowed the mismatch."""
+        deferred = getattr(self, "_deferred_model_check", None) or {}
         model, tokenizer = load_checked_model(
             self.model, device=self.device, dtype=getattr(self, "dtype_", self.dtype),
-            fingerprint=fingerprint, owner=type(self).__name__,
-            convert_dir=_converted_dir(self.cache_dir))
+            fingerprint=fingerprint, identity=identity, owner=type(self).__name__,
+            convert_dir=_converted_dir(self.cache_dir),
+            allow_mismatch=bool(deferred.get("allow_mismatch")),
+            saved_at=deferred.get("saved_at"))
+        if identity is not None:
+            from ._models import identity_matches, model_identity
+
+            now = model_identity(self.model)
+            if now != identity:  # went on (allowed, or the same weights elsewhere)
+                if not identity_matches(identity, self.model):
+                    # another model: its identity and tokenizer key the cache
+                    self.tokenizer_fingerprint_ = _tokenizer_fingerprint(tokenizer)
+                self.model_identity_ = now
+        self._deferred_model_check = None
         self._model = model
         self._tokenizer = tokenizer
         self._layout = decoder_layout(model)
@@ -984,7 +1007,8 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
 
     def _ensure_loaded(self):
         if getattr(self, "_model", None) is None:
-            self._load(fingerprint=self.model_fingerprint_)
+            self._load(fingerprint=self.model_fingerprint_,
+                       identity=getattr(self, "model_identity_", None))
         if getattr(self, "_cache", None) is None:
             self._cache = ActivationCache(self.cache_dir, memory=bool(self.memory_cache))
         if getattr(self, "_run_stats", None) is None:
@@ -1119,19 +1143,23 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
                 else None)
         keys = [self._key(c, date) for c in X]
         todo, first = [], {}
-        for i, (conv, key) in enumerate(zip(X, keys)):
-            if key in first:  # the same content twice: extracted once, copied below
-                todo.append(i)
-                continue
-            hit = cache.get(key, sites, n_turns=len(conv), hidden_size=hidden)
-            if hit is None:
-                todo.append(i)
-                first[key] = i
-            else:
-                values[offsets[i]:offsets[i + 1]] = hit
+        # SIGTERM or Ctrl-C during the cache reads or the extraction stops: an entry
+        # being read is left alone, not counted as corrupt (a no-op off the main thread)
+        with stop_requests():
+            for i, (conv, key) in enumerate(zip(X, keys)):
+                if key in first:  # the same content twice: extracted once, copied below
+                    todo.append(i)
+                    continue
+                hit = cache.get(key, sites, n_turns=len(conv), hidden_size=hidden)
+                if hit is None:
+                    todo.append(i)
+                    first[key] = i
+                else:
+                    values[offsets[i]:offsets[i + 1]] = hit
+            if todo:
+                self._compute(X, list(first.values()), keys, values, offsets)
 
         if todo:
-            self._compute(X, list(first.values()), keys, values, offsets)
             for i in todo:
                 j = first[keys[i]]
                 if j != i:

@@ -1249,12 +1249,13 @@ def kv_cache_argument(module):
 
 
 def load_checked_model(model, *, device="cpu", dtype="auto", fingerprint=None,
-                       identity=None, owner="estimator", convert_dir=None):
+                       identity=None, owner="estimator", convert_dir=None,
+                       allow_mismatch=False, saved_at=None):
     """Load a model (:func:`load_model`) and check it is the one an estimator was fitted with.
 
     The one loading path of skafa's model-reading estimators (the extraction
     transformer, its worker processes, the judges): a model found under the same
-    name or path whose architecture (``fingerprint``) or files (``identity``)
+    name or path whose architecture (``fingerprint``) or weights (``identity``)
     differ from those recorded at fit time is refused, naming both.
 
     Parameters
@@ -1266,12 +1267,23 @@ def load_checked_model(model, *, device="cpu", dtype="auto", fingerprint=None,
     fingerprint : dict, default=None
         The :func:`model_fingerprint` recorded at fit; None skips the check (at fit).
     identity : dict, default=None
-        The :func:`model_identity` recorded at fit; None skips the check.
+        The :func:`model_identity` recorded at fit; None skips the check. Compared
+        as :func:`verify_saved_model` does at :func:`skafa.load`: the same
+        identity (:func:`identity_matches`) passes; the same weights under another
+        name or place warn (:class:`~skafa.exceptions.ModelMismatchWarning`);
+        other weights (or weights whose digests cannot be compared) are refused
+        unless ``allow_mismatch``.
     owner : str, default="estimator"
         Who asks, for the error message (e.g. ``"TurnActivationTransformer"``).
     convert_dir : str or os.PathLike, default=None
         Folder of converted GGUF models, as for :func:`load_model` (where the
         weights are read from changes neither the fingerprint nor the identity).
+    allow_mismatch : bool, default=False
+        Use a model with other weights anyway, with a
+        :class:`~skafa.exceptions.ModelMismatchWarning` (what
+        ``skafa.load(..., model=..., allow_model_mismatch=True)`` allowed).
+    saved_at : str, default=None
+        Where the model was when the estimator was saved (for the message).
 
     Returns
     -------
@@ -1281,7 +1293,10 @@ def load_checked_model(model, *, device="cpu", dtype="auto", fingerprint=None,
     Raises
     ------
     RuntimeError
-        When the model loaded now differs from the recorded one.
+        When the architecture of the model loaded now differs from the recorded one.
+    ValueError
+        When its weights differ from the recorded ones (naming both digests),
+        unless ``allow_mismatch``.
     """
     lm, tokenizer = load_model(model, device=device, dtype=dtype, convert_dir=convert_dir)
     where = f"process {os.getpid()}: " if "worker" in owner else ""
@@ -1290,12 +1305,42 @@ def load_checked_model(model, *, device="cpu", dtype="auto", fingerprint=None,
             f"{where}the model {str(model)!r} loaded now differs from the one this {owner} "
             "was fitted with (architecture fingerprint changed); refit it, or install the "
             "same model files.")
-    if identity is not None and model_identity(model) != identity:
-        raise RuntimeError(
-            f"{where}the model files of {str(model)!r} differ from those this {owner} was "
-            "fitted with (model identity: weights content); refit it, or install the same "
-            "files.")
+    if identity is not None and not identity_matches(identity, model):
+        _refuse_other_weights(model, identity, owner=owner, where=where,
+                              allow_mismatch=allow_mismatch, saved_at=saved_at)
     return lm, tokenizer
+
+
+def _refuse_other_weights(model, identity, *, owner, where, allow_mismatch, saved_at):
+    """Refuse (ValueError) or warn about a model whose identity is not the recorded one."""
+    from ..exceptions import ModelMismatchWarning
+
+    now = model_identity(model)
+    digests = _weights_digests(now)
+    same_weights = digests is not None and digests == _weights_digests(identity)
+    try:
+        now_at = model_location(model)
+    except (OSError, ValueError, TypeError, KeyError):
+        now_at = "unknown"
+    saved = f"at {saved_at} " if saved_at else ""
+    if not same_weights and not allow_mismatch:
+        raise ValueError(
+            f"{where}this {owner} was fitted with a model {saved}of weights "
+            f"{_weights_summary(identity, full=True)}, but {str(model)!r} is now at "
+            f"{now_at} (weights {_weights_summary(now, full=True)}). The architecture "
+            "matches but the weights differ (or cannot be compared), so the probe's "
+            "coefficients do not apply to it; refusing to score with it. Install the "
+            "model files it was fitted with, or refit. To use this model anyway, name it "
+            f"and allow the mismatch when loading: model={str(model)!r}, "
+            "allow_model_mismatch=True (command line: --model PATH --allow-model-mismatch)")
+    warnings.warn(
+        f"{where}{owner}: fitted with a model {saved}of weights "
+        f"{_weights_summary(identity)}, now using {str(model)!r} at {now_at} (weights "
+        f"{_weights_summary(now)}). "
+        + ("The weights are the same, the name or place differs." if same_weights else
+           "The architecture matches but the weights differ, so the probe's coefficients "
+           "may not transfer (allow_model_mismatch=True): evaluate before trusting it."),
+        ModelMismatchWarning, stacklevel=4)
 
 
 def model_fingerprint(model) -> dict:

@@ -39,6 +39,7 @@ from ..metrics import SCORERS
 from ..persistence import PersistenceMixin
 from ..utils.grouped import grouped_center
 from ..utils.progress import log
+from ..utils.signals import raise_if_stop_requested, stop_requests
 from ..utils.sklearn_compat import (
     HasMethods,
     Interval,
@@ -271,6 +272,8 @@ def _fit_and_score_site(estimator, X, y, train, test, scorer, fit_params,
         score = float(scorer(estimator, X[test], y[test]))
         score_time = time.perf_counter() - start
     except Exception as exc:
+        # a stop request (SIGTERM, Ctrl-C) that surfaced as this error is no failed fit
+        raise_if_stop_requested(f"fitting at site {site!r}, fold {fold}", cause=exc)
         if error_score == "raise":
             raise
         warnings.warn(
@@ -310,6 +313,19 @@ def _top_sites(sites, filled_means, failed, k):
             UserWarning,
         )
     return tuple(sites[i] for i in keep)
+
+
+def _site_names(state, name):
+    """``state[name]`` as a list of site names, refused unless a list or tuple of unique
+    strings (a fitted attribute checked after :func:`skafa.persistence.load`)."""
+    value = state[name]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{name} must be a tuple of site names, got {value!r:.80}")
+    names = list(value)
+    repeated = sorted({v for v in names if names.count(v) > 1})
+    if repeated:
+        raise ValueError(f"{name} names site {repeated[0]!r:.80} more than once: {names!r:.200}")
+    return names
 
 
 def _estimator_has(attr):
@@ -519,6 +535,69 @@ class SiteSelector(DecisiveStepMixin, PersistenceMixin, MetaEstimatorMixin, Base
     # skafa.persistence: the scorer is a function, never saved; rebuilt from `scoring`.
     _runtime_attributes = frozenset({"scorer_"})
 
+    def _check_fitted_consistency(self):
+        """Check that a loaded selector's results agree (see :mod:`skafa.persistence`).
+
+        ``best_site_`` and every one of ``best_sites_`` must be among the sites
+        compared (``sites_``), ``best_site_`` among ``best_sites_`` and the site of
+        row ``best_index_`` of ``cv_results_`` (which holds one row per candidate
+        and site), at most ``n_sites`` sites kept, and a refitted
+        :class:`SiteEnsemble` must average exactly ``best_sites_``. A file edited
+        otherwise is refused at load instead of reading another site at predict.
+
+        Raises
+        ------
+        ValueError
+            Naming the attributes that disagree and their values.
+        """
+        state = vars(self)
+        if "sites_" not in state:
+            return
+        compared = _site_names(state, "sites_")
+        best = state.get("best_site_")
+        if best is not None and best not in compared:
+            raise ValueError(f"best_site_ is {best!r:.80} but sites_ (the sites compared) "
+                             f"are {compared!r:.200}")
+        kept = None
+        if state.get("best_sites_") is not None:
+            kept = _site_names(state, "best_sites_")
+            outside = [site for site in kept if site not in compared]
+            if outside:
+                raise ValueError(f"best_sites_ holds {outside[0]!r:.80}, which is not among "
+                                 f"sites_ (the sites compared): {compared!r:.200}")
+            if best is not None and best not in kept:
+                raise ValueError(f"best_site_ is {best!r:.80} but best_sites_ (the kept "
+                                 f"sites) are {kept!r:.200}")
+            n_sites = getattr(self, "n_sites", None)
+            if isinstance(n_sites, Integral) and len(kept) > n_sites:
+                raise ValueError(f"best_sites_ holds {len(kept)} sites but n_sites is "
+                                 f"{n_sites}")
+        results, index = state.get("cv_results_"), state.get("best_index_")
+        column = results.get("site") if isinstance(results, dict) else None
+        if isinstance(column, (np.ndarray, list)):
+            scores = state.get("candidate_scores_")
+            if isinstance(scores, np.ndarray) and scores.ndim == 1 \
+                    and len(column) != scores.shape[0] * len(compared):
+                raise ValueError(
+                    f"cv_results_ has {len(column)} rows but candidate_scores_ has shape "
+                    f"{scores.shape} and sites_ names {len(compared)} sites: one row per "
+                    "candidate and site is needed")
+            if best is not None and isinstance(index, Integral) \
+                    and 0 <= index < len(column) and column[index] != best:
+                raise ValueError(f"best_site_ is {best!r:.80} but row best_index_ {index} "
+                                 f"of cv_results_ is site {column[index]!r:.80}")
+        refitted = state.get("best_estimator_")
+        if kept is not None and refitted is not None:
+            if isinstance(refitted, SiteEnsemble) and "sites_" in vars(refitted):
+                averaged = list(vars(refitted)["sites_"])
+                if averaged != kept:
+                    raise ValueError(f"best_estimator_ (SiteEnsemble) averages sites_ "
+                                     f"{averaged!r:.200} but best_sites_ is {kept!r:.200}")
+            elif len(kept) > 1 and not isinstance(refitted, SiteEnsemble):
+                raise ValueError(f"best_sites_ holds {len(kept)} sites but best_estimator_ "
+                                 f"is a {type(refitted).__name__}, not the SiteEnsemble "
+                                 "that averages them")
+
     def _restore_after_load(self, context):
         """Rebuild :attr:`scorer_` from ``scoring`` (see skafa.persistence)."""
         if hasattr(self, "cv_results_"):
@@ -632,7 +711,8 @@ class SiteSelector(DecisiveStepMixin, PersistenceMixin, MetaEstimatorMixin, Base
                             fit_params, self.error_score, site, fold,
                         )
 
-        out = Parallel(n_jobs=self.n_jobs, verbose=self.verbose)(tasks())
+        with stop_requests():  # SIGTERM or Ctrl-C in a fold stops the search (not a failed fit)
+            out = Parallel(n_jobs=self.n_jobs, verbose=self.verbose)(tasks())
         shape = (n_cand * n_sites, n_splits)
         scores = np.array([o["score"] for o in out], dtype=float).reshape(shape)
         fit_times = np.array([o["fit_time"] for o in out]).reshape(shape)
@@ -740,11 +820,12 @@ class SiteSelector(DecisiveStepMixin, PersistenceMixin, MetaEstimatorMixin, Base
     def _ensemble_cv_score(self, estimator, top, X, y, splits, scorer, fit_params):
         """Mean score of the ``top``-site average of ``estimator`` over ``splits``."""
         X_top = X.select_sites(list(top))
-        folds = Parallel(n_jobs=self.n_jobs)(
-            delayed(_fit_and_score_site)(
-                SiteEnsemble(estimator, sites=list(top)), X_top, y, train, test,
-                scorer, fit_params, self.error_score, f"average of {list(top)}", fold)
-            for fold, (train, test) in enumerate(splits))
+        with stop_requests():  # a stop in a fold stops the search (not a failed fit)
+            folds = Parallel(n_jobs=self.n_jobs)(
+                delayed(_fit_and_score_site)(
+                    SiteEnsemble(estimator, sites=list(top)), X_top, y, train, test,
+                    scorer, fit_params, self.error_score, f"average of {list(top)}", fold)
+                for fold, (train, test) in enumerate(splits))
         return float(np.mean([f["score"] for f in folds]))
 
     # --------------------------------------------------------------- delegation
@@ -978,6 +1059,45 @@ class SiteEnsemble(DecisiveStepMixin, MetaEstimatorMixin, BaseEstimator):
         self.score_scale_ = np.asarray(scales, dtype=np.float64)
         self.n_features_in_ = int(X.n_features)
         return self
+
+    def _check_fitted_consistency(self):
+        """Check that a loaded ensemble's pieces agree (see :mod:`skafa.persistence`).
+
+        One fitted estimator in ``estimators_`` and one finite, positive scale in
+        ``score_scale_`` (shape ``(n_sites,)``) per site of ``sites_``, whose names
+        are unique. A file edited otherwise is refused at load instead of
+        silently averaging fewer sites (``zip``) at predict.
+
+        Raises
+        ------
+        ValueError
+            Naming the attributes that disagree and their shapes.
+        """
+        state = vars(self)
+        if "sites_" not in state:
+            return
+        sites = _site_names(state, "sites_")
+        members = state.get("estimators_")
+        if members is not None:
+            if not isinstance(members, (list, tuple)):
+                raise ValueError(f"estimators_ must be a list of fitted estimators, got "
+                                 f"{type(members).__name__}")
+            if len(members) != len(sites):
+                raise ValueError(f"estimators_ holds {len(members)} fitted estimators but "
+                                 f"sites_ names {len(sites)} sites ({sites!r:.200}): one "
+                                 "per site is needed")
+        scale = state.get("score_scale_")
+        if scale is not None:
+            if not isinstance(scale, np.ndarray) or scale.shape != (len(sites),):
+                shape = scale.shape if isinstance(scale, np.ndarray) else type(scale).__name__
+                raise ValueError(f"score_scale_ has shape {shape} but sites_ names "
+                                 f"{len(sites)} sites: one scale per site is needed")
+            if scale.dtype.kind not in "fiu":
+                raise ValueError(f"score_scale_ must hold numbers, got dtype {scale.dtype}")
+            bad = np.flatnonzero(~(np.isfinite(scale) & (scale > 0)))
+            if bad.size:
+                raise ValueError(f"score_scale_[{int(bad[0])}] is {scale[bad[0]]!r}: every "
+                                 "scale must be finite and positive")
 
     def _average(self, X):
         check_is_fitted(self)

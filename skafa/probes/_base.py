@@ -179,6 +179,62 @@ class _BaseGroupedArgmax(DecisiveStepMixin, BaseEstimator):
         return sp.csr_matrix((coef.ravel(), columns.copy(), np.array([0, columns.size])),
                              shape=(1, self.n_features_in_))
 
+    def _check_fitted_consistency(self):
+        """Check that a loaded probe's fitted pieces agree (see :mod:`skafa.persistence`).
+
+        ``active_features_`` (after a compacted sparse fit) must be sorted, unique
+        column indices below ``n_features_in_``; the turn model ``estimator_`` and
+        the ``scaler_`` must have been fitted on as many features as the probe
+        gives them: ``len(active_features_)`` after a compacted fit, else
+        ``n_features_in_``. A file edited otherwise is refused at load instead of
+        scoring the wrong columns at predict.
+
+        Raises
+        ------
+        ValueError
+            Naming the attributes that disagree and their values.
+        """
+        state = vars(self)
+        n = state.get("n_features_in_")
+        if not isinstance(n, (int, np.integer)) or isinstance(n, (bool, np.bool_)):
+            return  # absent (not fitted); a wrong type is refused by the loader's checks
+        n = int(n)
+        width, reads = n, f"n_features_in_ is {n}"
+        active = state.get("active_features_")
+        if active is not None:
+            columns = np.asarray(active)
+            if columns.ndim != 1 or (columns.size and columns.dtype.kind not in "iu"):
+                raise ValueError(
+                    f"active_features_ must be a 1-D array of column indices, got a "
+                    f"{columns.dtype} array of shape {columns.shape}")
+            outside = columns[(columns < 0) | (columns >= n)]
+            if outside.size:
+                raise ValueError(
+                    f"active_features_ names column {int(outside[0])} but n_features_in_ "
+                    f"is {n} (columns 0..{n - 1})")
+            steps = np.flatnonzero(np.diff(columns) <= 0)
+            if steps.size:
+                k = int(steps[0])
+                raise ValueError(
+                    f"active_features_ must be sorted and unique, but entry {k} is "
+                    f"{int(columns[k])} and entry {k + 1} is {int(columns[k + 1])} "
+                    f"(columns {int(columns[k])}, {int(columns[k + 1])})")
+            width = int(columns.size)
+            reads = (f"active_features_ names {width} columns (the columns of "
+                     f"n_features_in_ {n} that the compacted fit kept)")
+        for name in ("estimator_", "scaler_"):
+            step = state.get(name)
+            if step is None:
+                continue
+            try:
+                got = step.n_features_in_
+            except AttributeError:  # a turn model that does not say
+                continue
+            if isinstance(got, (int, np.integer)) and int(got) != width:
+                raise ValueError(
+                    f"{name} ({type(step).__name__}) was fitted on {int(got)} features "
+                    f"but the probe gives it {width}: {reads}")
+
     def _raw_turn_scores(self, M):
         M = self._active_columns(M)
         if self.response_method_ == "decision_function":

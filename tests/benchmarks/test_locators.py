@@ -319,6 +319,8 @@ def put_then_sigterm(self, i, cache):  # SIGTERM once the first prompt's KV file
     os.kill(os.getpid(), signal.SIGTERM)
 grafted._KVSpill.put = put_then_sigterm
 if sys.argv[3] == "unguarded":  # the control: the runner without its SIGTERM handler
+    import contextlib
+    grafted.stop_requests = contextlib.nullcontext  # nor the grafted judge's own
     locators.run_locator_benchmark = lambda s, c, log=None: locators._run_locator_benchmark(
         s, c, None, log)
 spec = importlib.util.spec_from_file_location("bench", sys.argv[1])

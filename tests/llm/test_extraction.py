@@ -727,3 +727,45 @@ def test_smollm2_three_algorithm_generated_records(who_and_when_dir):
     again = t.transform(convs)
     assert t.run_stats["n_forward_passes"] == 3  # second pass served from the memory cache
     assert np.array_equal(again.values, X.values)
+
+
+# ---------------------------------------------- stop requests while entries are read
+def test_a_stop_while_a_cache_entry_is_read_leaves_it_alone(tmp_path, registered,
+                                                            monkeypatch):
+    """transform records stop requests itself: SIGTERM during a disk cache read, surfacing
+    as the library's error, is no corrupt entry (not counted, deleted nor recomputed);
+    the application's own SIGTERM handler decides how to stop (here it raises)."""
+    import signal
+    import time
+
+    from skafa.llm import _cache
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt("the application's handler")
+
+    def read_entry(*args, **kwargs):  # safetensors turning the signal into its own error
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except BaseException as exc:  # noqa: BLE001
+            raise RuntimeError(f"error while deserializing ({type(exc).__name__})") from None
+        raise RuntimeError("error while deserializing")
+
+    name = registered(make_tiny_llama(n_layers=2, seed=21))
+    convs = make_conversations(2, seed=22)
+    TurnActivationTransformer(name, cache_dir=tmp_path, memory_cache=False).fit(
+        convs).transform(convs)
+    files = {p: Path(p).read_bytes() for p in glob.glob(str(tmp_path / "*" / "*.safetensors"))}
+    fresh = TurnActivationTransformer(name, cache_dir=tmp_path, memory_cache=False).fit(convs)
+    monkeypatch.setattr(_cache, "_read_entry", read_entry)
+    before = signal.signal(signal.SIGTERM, handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CacheCorruptionWarning)
+            with pytest.raises(KeyboardInterrupt, match="the application's handler"):
+                fresh.transform(convs)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert fresh.run_stats["corrupt"] == 0 and fresh.run_stats["n_forward_passes"] == 0
+    assert {p: Path(p).read_bytes() for p in glob.glob(str(tmp_path / "*" / "*.safetensors"))
+            } == files

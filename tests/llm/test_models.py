@@ -777,3 +777,102 @@ def test_smollm2_convert_dir_round_trip(tmp_path, monkeypatch):
     finally:
         clear_model_cache()
         models._CACHE.update(kept)
+
+
+# ------------------------------------------- stop requests while a converted folder is read
+def _sigterm_in_a_library(what):
+    """SIGTERM during a read, inside a library that turns it into its own error (as
+    torch, safetensors or transformers may)."""
+    import os
+    import signal
+    import time
+
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler runs here (and ends the sleep by raising)
+    except BaseException as exc:  # noqa: BLE001 - what such a library does
+        raise RuntimeError(f"error while {what} ({type(exc).__name__})") from None
+    raise RuntimeError(f"error while {what}")
+
+
+@pytest.fixture()
+def _sigterm_default():
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
+def test_a_stop_while_the_converted_folder_is_read_leaves_it_alone(fake_gguf, tmp_path,
+                                                                   monkeypatch):
+    """A stop that surfaces as transformers' error is no unusable folder: it is not
+    removed nor rebuilt, and the load stops. load_model records stop requests itself;
+    the application's own SIGTERM handler decides how (here it raises)."""
+    import signal
+
+    from skafa.exceptions import CacheCorruptionWarning
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt("the application's handler")
+
+    gguf, reads = fake_gguf
+    convert_dir = tmp_path / "converted"
+    load_model(str(gguf), convert_dir=convert_dir)
+    folder, manifest = _converted(convert_dir, gguf)
+    files = {p.name: p.read_bytes() for p in folder.iterdir()}
+    monkeypatch.setattr(models, "_read_converted",
+                        lambda *a: _sigterm_in_a_library("reading model.safetensors"))
+    clear_model_cache()
+    before = signal.signal(signal.SIGTERM, handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CacheCorruptionWarning)
+            with pytest.raises(KeyboardInterrupt, match="the application's handler"):
+                load_model(str(gguf), convert_dir=convert_dir)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == files  # left alone
+    assert len(reads) == 1  # not rebuilt from the GGUF file
+
+
+@pytest.mark.usefixtures("_sigterm_default")
+def test_a_stop_while_the_converted_folder_is_read_in_a_block(fake_gguf, tmp_path,
+                                                              monkeypatch):
+    from skafa.exceptions import StopRequested
+    from skafa.utils.signals import stop_requests
+
+    gguf, reads = fake_gguf
+    convert_dir = tmp_path / "converted"
+    load_model(str(gguf), convert_dir=convert_dir)
+    folder, _ = _converted(convert_dir, gguf)
+    monkeypatch.setattr(models, "_read_converted",
+                        lambda *a: _sigterm_in_a_library("reading model.safetensors"))
+    clear_model_cache()
+    with stop_requests(), pytest.raises(StopRequested, match=(
+            "while reading the converted model folder")) as info:
+        load_model(str(gguf), convert_dir=convert_dir)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert (folder / models._CONVERTED_MANIFEST).is_file() and len(reads) == 1
+
+
+@pytest.mark.usefixtures("_sigterm_default")
+def test_a_stop_while_the_converted_folder_is_written_is_no_warning(tmp_path, monkeypatch):
+    """Writing the converted folder is best effort (a failure warns), but a stop stops."""
+    from skafa.exceptions import StopRequested
+    from skafa.utils.signals import stop_requests
+
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF-stopped-writer")
+    digest = models._file_digest(gguf)
+    root = tmp_path / "converted"
+    monkeypatch.setattr(models, "_save_dequantised",
+                        lambda lm, folder: _sigterm_in_a_library("writing model.safetensors"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with stop_requests(), pytest.raises(StopRequested, match="while writing the "
+                                                                 "converted model"):
+            models._write_converted(make_tiny_llama(), make_tiny_tokenizer(), root, digest,
+                                    gguf)
+    assert [p.name for p in root.iterdir()] == []  # the temporary folder is gone

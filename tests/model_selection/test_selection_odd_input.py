@@ -118,3 +118,93 @@ def test_outer_splits_name_missing_task_ids():
     # a mix of int and str ids is two kinds of task, not an error
     assert len(outer_splits(y, ["a", 1, "1", 2, "b", "c", "d", "e"], n_folds=2,
                             n_repeats=1)) == 2
+
+
+# ------------------------------------- follow-up: a stop request in the site search
+class _StoppedInFit(GroupedArgmaxLogisticClassifier):
+    """A probe whose fit gets SIGTERM inside a library that turns it into its own error
+    (as torch or safetensors may): the site search's broad except sees a RuntimeError."""
+
+    calls = []
+
+    def fit(self, X, y, **params):
+        import os
+        import signal
+        import time
+
+        type(self).calls.append(1)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs here (and ends the sleep by raising)
+        except BaseException as exc:  # noqa: BLE001 - what such a library does
+            raise RuntimeError(f"error in the library ({type(exc).__name__})") from None
+        raise RuntimeError("error in the library")
+
+
+@pytest.fixture
+def _sigterm_restored():
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _StoppedInFit.calls.clear()
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.usefixtures("_sigterm_restored")
+def test_a_stop_request_in_a_fold_stops_the_site_search():
+    """SIGTERM during a fold's fit, surfacing as another error, is no failed fit: the
+    search stops (StopRequested) instead of warning and going on to the next site."""
+    from skafa.exceptions import StopRequested
+    from skafa.utils.signals import stop_requests
+
+    X, y = _features(np.full(12, 3), n_sites=3)
+    sel = SiteSelector(_StoppedInFit(), cv=KFold(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FitFailedWarning)  # none may be issued
+        with stop_requests():
+            with pytest.raises(StopRequested, match=r"signal 15 \(SIGTERM\) while fitting "
+                                                    r"at site 's0', fold 0") as info:
+                sel.fit(X, y)
+    assert info.value.code == 143
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert len(_StoppedInFit.calls) == 1  # no other site or fold was tried
+
+
+_STOP_SCRIPT = r"""
+import sys, warnings
+import numpy as np
+from sklearn.exceptions import FitFailedWarning
+from sklearn.model_selection import KFold
+sys.path.insert(0, sys.argv[1])
+from test_selection_odd_input import _StoppedInFit, _features
+from skafa.model_selection import SiteSelector
+
+warnings.simplefilter("error", FitFailedWarning)
+X, y = _features(np.full(12, 3), n_sites=3)
+try:
+    SiteSelector(_StoppedInFit(), cv=KFold(3)).fit(X, y)
+except KeyboardInterrupt as exc:
+    print(type(exc).__name__, exc, flush=True)
+    raise
+finally:
+    print("finally ran after", len(_StoppedInFit.calls), "fit(s)", flush=True)
+"""
+
+
+def test_site_search_records_stop_requests_itself(tmp_path):
+    """Without a block of the caller's, SiteSelector.fit records SIGTERM itself: the
+    ``finally`` clauses run and the process exits 143, as a shell expects of SIGTERM."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "run.py"
+    script.write_text(_STOP_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 143, (done.returncode, done.stderr[-2000:])
+    assert "finally ran after 1 fit(s)" in done.stdout
+    assert "StopRequested stopped by signal 15 (SIGTERM) while fitting at site 's0'" \
+        in done.stdout

@@ -364,6 +364,47 @@ def test_verify_model_false_defers_the_check(fitted_lm_pipeline, tiny_models, co
         loaded.predict(conversations[16:])
 
 
+def test_verify_model_false_refuses_other_weights_at_the_first_transform(
+        fitted_lm_pipeline, tiny_models, conversations, tmp_path):
+    """Deferred (verify_model=False), the first transform checks the weights too, not
+    only the architecture: other weights are refused as at load, naming both digests,
+    unless the load named the model and allowed the mismatch (then it warns, and the
+    activation cache is keyed by the model used)."""
+    path = save(fitted_lm_pipeline, tmp_path / "pipe")
+    saved = fitted_lm_pipeline[0].model_identity_["weights_sha256"]
+    loaded = load(path, model=tiny_models["other-weights"], verify_model=False)
+    with pytest.raises(ValueError, match="weights differ") as info:
+        loaded.predict(conversations[16:])
+    now = loaded[0].model_identity_
+    assert now["weights_sha256"] == saved  # unchanged: nothing was read
+    message = str(info.value)
+    assert saved in message and "TurnActivationTransformer" in message
+    with pytest.warns(ModelMismatchWarning):  # checked at load, as usual
+        other = load(path, model=tiny_models["other-weights"], allow_model_mismatch=True)
+    assert other[0].model_identity_["weights_sha256"] in message  # both digests named
+    assert "allow_model_mismatch=True" in message
+    with pytest.raises(ValueError, match="weights differ"):  # refused again: still unread
+        loaded.predict(conversations[16:])
+
+    allowed = load(path, model=tiny_models["other-weights"], verify_model=False,
+                   allow_model_mismatch=True)
+    with pytest.warns(ModelMismatchWarning, match="weights differ"):
+        steps = allowed.predict(conversations[16:])
+    assert allowed[0].model_identity_ == other[0].model_identity_
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ModelMismatchWarning)
+        np.testing.assert_array_equal(allowed.predict(conversations[16:]), steps)
+        np.testing.assert_array_equal(other.predict(conversations[16:]), steps)
+
+    alias = load(path, model=tiny_models["alias"], verify_model=False)
+    with pytest.warns(ModelMismatchWarning, match="same"):  # same weights: a warning only
+        assert_bitwise(alias.predict(conversations[16:]),
+                       fitted_lm_pipeline.predict(conversations[16:]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ModelMismatchWarning)
+        load(path, verify_model=False).predict(conversations[16:])  # the saved model
+
+
 def test_unavailable_model_is_a_clear_error(fitted_lm_pipeline, tmp_path):
     path = save(fitted_lm_pipeline, tmp_path / "pipe")
     with pytest.raises(ValueError, match="could not be loaded.*verify_model=False"):

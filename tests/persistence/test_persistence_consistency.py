@@ -216,10 +216,24 @@ def test_attributor_chose_a_site_the_extractor_does_not_produce(fitted_attributo
     path = fitted_attributor.save(tmp_path / "fa")
     assert FailureAttributor.load(path).best_site_ == fitted_attributor.best_site_
 
+    def rename(node, old, new):
+        """Every string ``old`` in ``node`` (the selector's results) becomes ``new``."""
+        if isinstance(node, dict):
+            return {k: v if k == "best_estimator_" else rename(v, old, new)
+                    for k, v in node.items()}
+        if isinstance(node, list):
+            return [rename(v, old, new) for v in node]
+        return new if node == old else node
+
     def edit(doc):
-        for state in (doc["tree"]["state"], _selector_state(doc)):
-            state["best_site_"] = "resid_pre.7"
-            state["best_sites_"] = {"__tuple__": ["resid_pre.7"]}
+        # the selector's own results stay consistent (it compared and chose resid_pre.7),
+        # so only the attributor sees that its extractor does not produce that site
+        selector = doc["tree"]["state"]["pipeline_"]["params"]["steps"][1]["__tuple__"][1]
+        selector["state"] = rename(selector["state"], fitted_attributor.best_site_,
+                                   "resid_pre.7")
+        state = doc["tree"]["state"]
+        state["best_site_"] = "resid_pre.7"
+        state["best_sites_"] = {"__tuple__": ["resid_pre.7"]}
     rewrite(path, edit)
     refused(path, "FailureAttributor", "best_site", "resid_pre.7", "resid_pre.1",
             "resid_final")
@@ -276,3 +290,131 @@ def test_consistent_files_still_load(data, tmp_path):
         est.fit(Xs, y)
         loaded = load(save(est, tmp_path / f"e{i}"))
         np.testing.assert_array_equal(loaded.predict(Xs), est.predict(Xs))
+
+
+# ------------------------------------------------ the probes' own check (follow-up)
+def _sparse_features(n=30, seed=0):
+    """Turn rows with 50 declared columns, 4 of which (2, 9, 31, 47) hold values: a
+    linear probe fits on those 4 (``active_features_``)."""
+    import scipy.sparse as sp
+
+    rng = np.random.default_rng(seed)
+    n_turns = rng.integers(2, 6, size=n)
+    offsets = np.concatenate([[0], np.cumsum(n_turns)])
+    y = (rng.random(n) * n_turns).astype(np.int64)
+    dense = np.abs(rng.normal(size=(offsets[-1], 4)))
+    dense[dense < 0.7] = 0.0
+    dense[offsets[:-1] + y, 0] += 2.0
+    M = sp.csr_matrix(dense)
+    wide = sp.csr_matrix((M.data, np.array([2, 9, 31, 47])[M.indices], M.indptr),
+                         shape=(M.shape[0], 50))
+    return TurnFeatures(wide, offsets), y
+
+
+def _saved_sparse(est, tmp_path):
+    X, y = _sparse_features()
+    path = save(est.fit(X, y), tmp_path / "sparse")
+    np.testing.assert_array_equal(load(path).active_features_, [2, 9, 31, 47])
+    return path
+
+
+def _set_active(columns):
+    def edit(arrays):
+        arrays["active_features_"] = np.asarray(columns, dtype=np.int64)
+    return edit
+
+
+def test_turn_model_of_another_width_than_the_probe_reads(data, tmp_path):
+    """GroupedArgmaxClassifier's turn model (a LogisticRegression, consistent in itself)
+    was fitted on 4 features; the probe is edited to read 5 (nothing else holds that
+    width for the conventions to compare)."""
+    path = _saved(GroupedArgmaxClassifier(), data, tmp_path)
+    rewrite(path, lambda doc: doc["tree"]["state"].update(n_features_in_=5))
+    refused(path, "GroupedArgmaxClassifier", "estimator_", "4 features",
+            "n_features_in_ is 5")
+
+
+@pytest.mark.parametrize("probe", [GroupedArgmaxLogisticClassifier(),
+                                   GroupedSoftmaxClassifier()],
+                         ids=lambda p: type(p).__name__)
+@pytest.mark.parametrize("columns, words", [
+    ([2, 9, 31, 60], ["active_features_", "column 60", "n_features_in_ is 50"]),
+    ([2, -1, 31, 47], ["active_features_", "column -1"]),
+    ([9, 2, 31, 47], ["active_features_", "sorted and unique", "9, 2"]),
+    ([2, 9, 9, 47], ["active_features_", "sorted and unique", "9, 9"]),
+    ([2, 9, 31], ["fitted on 4 features", "active_features_ names 3 columns"]),
+], ids=["beyond", "negative", "unsorted", "repeated", "fewer"])
+def test_compacted_probe_columns_that_disagree(probe, columns, words, tmp_path):
+    """After a sparse fit the turn model reads the columns ``active_features_`` names:
+    they must be sorted, unique and below n_features_in_, one per column the turn model
+    (and its scaler) was fitted on."""
+    from sklearn.base import clone
+
+    path = _saved_sparse(clone(probe), tmp_path)
+    rewrite_arrays(path, _set_active(columns))
+    refused(path, type(probe).__name__, *words)
+
+
+# ------------------------------------- the selector's and ensemble's own check (follow-up)
+@pytest.fixture(scope="module")
+def fitted_selectors(data):
+    X, y = data
+    one = SiteSelector(GroupedArgmaxLogisticClassifier(), cv=GroupKFold(3)).fit(X, y)
+    two = SiteSelector(GroupedSoftmaxClassifier(), cv=GroupKFold(3), n_sites=2).fit(X, y)
+    return one, two
+
+
+def test_selector_chose_a_site_it_did_not_compare(fitted_selectors, tmp_path):
+    path = save(fitted_selectors[0], tmp_path / "selector")
+    rewrite(path, lambda doc: doc["tree"]["state"].update(
+        best_site_="s9", best_sites_={"__tuple__": ["s9"]}))
+    refused(path, "SiteSelector", "best_site_", "'s9'", "sites_", "'s0', 's1', 's2'")
+
+
+def test_selector_kept_sites_it_did_not_compare(fitted_selectors, tmp_path):
+    selector = fitted_selectors[1]
+    path = save(selector, tmp_path / "selector")
+    kept = [selector.best_site_, "s7"]
+    rewrite(path, lambda doc: doc["tree"]["state"].update(best_sites_={"__tuple__": kept}))
+    refused(path, "SiteSelector", "best_sites_", "'s7'", "sites_")
+
+
+def test_selector_best_site_is_not_the_cv_results_row(fitted_selectors, tmp_path):
+    selector = fitted_selectors[0]
+    path = save(selector, tmp_path / "selector")
+    other = next(s for s in SITES if s != selector.best_site_)
+    rewrite(path, lambda doc: doc["tree"]["state"].update(
+        best_site_=other, best_sites_={"__tuple__": [other]}))
+    refused(path, "SiteSelector", "best_site_", repr(other), "best_index_",
+            repr(selector.best_site_))
+
+
+def test_selector_ensemble_reads_other_sites_than_it_kept(fitted_selectors, tmp_path):
+    selector = fitted_selectors[1]
+    path = save(selector, tmp_path / "selector")
+    kept = list(selector.best_sites_)
+    swapped = [next(s for s in SITES if s not in kept), kept[1]]
+
+    def edit(doc):
+        doc["tree"]["state"]["best_estimator_"]["state"]["sites_"] = {"__tuple__": swapped}
+    rewrite(path, edit)
+    refused(path, "SiteSelector", "best_estimator_", "sites_", repr(swapped[0]),
+            "best_sites_")
+
+
+def test_ensemble_with_a_member_missing(data, tmp_path):
+    from skafa.model_selection import SiteEnsemble
+
+    X, y = data
+    path = save(SiteEnsemble(GroupedSoftmaxClassifier()).fit(X, y), tmp_path / "ensemble")
+    rewrite(path, lambda doc: doc["tree"]["state"]["estimators_"].pop())
+    refused(path, "SiteEnsemble", "estimators_", "2", "sites_", "3")
+
+
+def test_ensemble_scales_of_another_length(data, tmp_path):
+    from skafa.model_selection import SiteEnsemble
+
+    X, y = data
+    path = save(SiteEnsemble(GroupedSoftmaxClassifier()).fit(X, y), tmp_path / "ensemble")
+    rewrite_arrays(path, lengthen("score_scale_"))
+    refused(path, "SiteEnsemble", "score_scale_", "(4,)", "sites_", "3")
