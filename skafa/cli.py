@@ -1091,7 +1091,12 @@ def _run(args):
     except _Interrupted as exc:
         _err(exc)
         return EXIT_INTERRUPTED
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        from .exceptions import StopRequested
+
+        if isinstance(exc, StopRequested):  # SIGTERM: exit as the signal asks (143)
+            _err(f"stopped by a signal ({exc})")
+            return int(exc.code)
         _err("interrupted")
         return EXIT_INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - last resort: say what happened, exit 1

@@ -251,3 +251,17 @@ def test_fit_adapts_to_unlabelled_target_runs(traces, tiny_model, tmp_path, caps
     assert "adapting to 3 unlabelled runs" in capsys.readouterr().err
     fa = FailureAttributor.load(out)
     assert [n for n, _ in fa.pipeline_.steps] == ["acts", "adapt", "select"]
+
+
+def test_a_sigterm_stop_exits_143(monkeypatch, capsys):
+    import signal
+
+    from skafa import cli
+    from skafa.exceptions import StopRequested
+
+    def stopped(args):
+        raise StopRequested(signal.SIGTERM, "reading runs")
+
+    monkeypatch.setitem(cli._COMMANDS, "label", stopped)
+    assert main(["label", "x", "--out", "y.json"]) == 143
+    assert "stopped by a signal" in capsys.readouterr().err
