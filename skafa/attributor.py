@@ -13,7 +13,9 @@ conversations, an :meth:`~FailureAttributor.evaluate` with bootstrap confidence
 intervals, a per-conversation :meth:`~FailureAttributor.attribute` that returns
 a readable :class:`Attribution`, and :meth:`~FailureAttributor.save` /
 :meth:`~FailureAttributor.load` without pickle (:mod:`skafa.persistence`).
-Everything it computes comes from the fitted :attr:`~FailureAttributor.pipeline_`.
+Everything it computes comes from the fitted :attr:`~FailureAttributor.pipeline_`;
+predicting extracts only the sites its selector reads
+(:attr:`~FailureAttributor.predict_sites_`), with the same results.
 """
 
 # Authors: The skafa developers
@@ -342,6 +344,59 @@ def _plain(value):
     return value
 
 
+def _sites_read_by(estimator):
+    """The sites a fitted final step reads when it predicts, or None when unknown.
+
+    A :class:`~skafa.model_selection.SiteSelector` reads its ``best_sites_``, a
+    :class:`~skafa.model_selection.SiteEnsemble` its ``sites_``, a skafa probe its
+    ``site_``; each selects them from the features by name, so features holding
+    only those sites give the same predictions. Any other estimator: None.
+    """
+    from .model_selection import SiteEnsemble, SiteSelector
+    from .probes._base import _BaseGroupedArgmax
+
+    state = vars(estimator)
+    if isinstance(estimator, SiteSelector):
+        if "best_estimator_" not in state:  # refit=False: it cannot predict at all
+            return None
+        sites = state.get("best_sites_") or (state.get("best_site_"),)
+    elif isinstance(estimator, SiteEnsemble):
+        sites = state.get("sites_")
+    elif isinstance(estimator, _BaseGroupedArgmax):
+        sites = (state.get("site_"),)
+    else:
+        return None
+    if not sites or any(not isinstance(s, str) for s in sites):
+        return None
+    return tuple(sites)
+
+
+def _predict_sites(pipeline, detector):
+    """The sites predicting with ``pipeline`` (and ``detector``) reads, in the
+    extractor's order; None when the extractor is not a TurnActivationTransformer
+    or what the pieces read is not known (then predicting extracts every site)."""
+    from .llm import TurnActivationTransformer
+
+    steps = getattr(pipeline, "steps", None)
+    if not isinstance(steps, list) or len(steps) != 2:
+        return None
+    extractor, final = steps[0][1], steps[-1][1]
+    produced = vars(extractor).get("sites_") if isinstance(
+        extractor, TurnActivationTransformer) else None
+    read = _sites_read_by(final)
+    if produced is None or read is None:
+        return None
+    if detector is not None:  # the shift check reads the features too
+        extra = getattr(detector, "sites_", None)
+        if extra is None:
+            return None
+        read = read + tuple(str(s) for s in extra)
+    produced = tuple(str(s) for s in produced)
+    if not set(read) <= set(produced):
+        return None
+    return tuple(s for s in produced if s in set(read))
+
+
 def _warn_if_not_recommended(given, recommended):
     """Warn when an extractor passed with the recommended selector reads otherwise.
 
@@ -452,6 +507,16 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
         Number of training conversations.
     shift_detector_ : ShiftDetector or None
         Fitted on the training features at ``best_sites_`` (None: none).
+    predict_sites_ : tuple of str or None
+        The sites ``predict``, ``attribute``, ``evaluate`` (and the other
+        predicting methods) extract, in the extractor's order: those the selector
+        reads (``best_sites_``) and those the shift detector reads. The forward
+        pass stops after the deepest of them unless it is ``resid_final``, and
+        cached activations with more sites serve them; the predictions are those
+        of :attr:`pipeline_`, whose extractor still reads every site. None when
+        the extractor is not a :class:`~skafa.llm.TurnActivationTransformer` or
+        the selector is of a kind whose sites are not known (every site is then
+        extracted).
 
     See Also
     --------
@@ -528,7 +593,6 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
         groups : array-like of shape (n_conversations,), default=None
             Groups of the selector's splitter; ``None`` uses the task ids when
             every conversation has one.
-
         Returns
         -------
         self : FailureAttributor
@@ -552,6 +616,9 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
                 setattr(self, name, getattr(selector, name))
         self.n_conversations_fit_ = len(convs)
         self.shift_detector_ = self._fit_shift_detector(Xt, groups)
+        # predicting extracts only these sites (and stops the forward pass after
+        # the deepest); pipeline_ keeps the extractor of every site
+        self.predict_sites_ = _predict_sites(pipeline, self.shift_detector_)
         return self
 
     def _fit_shift_detector(self, Xt, groups):
@@ -646,6 +713,19 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
                     f"the selector's {name} ({type(selector).__name__}) names "
                     f"{', '.join(repr(s) for s in missing[:5])}, but the extractor "
                     f"produces only the sites {', '.join(produced)} (its sites_)")
+        chosen = own.get("predict_sites_")
+        if chosen is not None:
+            chosen = [str(s) for s in chosen]
+            missing = [s for s in chosen if s not in produced]
+            needed = _sites_read_by(selector) or ()
+            lacking = [s for s in needed if s not in chosen]
+            if missing or lacking:
+                raise ValueError(
+                    f"predict_sites_ is {chosen!r:.200}, but "
+                    + (f"the extractor produces only the sites {', '.join(produced)} "
+                       "(its sites_)" if missing else
+                       f"the selector ({type(selector).__name__}) reads "
+                       f"{', '.join(repr(s) for s in lacking[:5])}"))
 
     def _site_label(self):
         """The site(s) predictions are read at, for reports: ``"a"`` or ``"a+b+c"``."""
@@ -659,12 +739,33 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
         check_is_fitted(self)
         return check_conversations(X, "FailureAttributor")
 
+    def _final_input(self, convs):
+        """The selector and its features of ``convs``, extracted at the sites it reads.
+
+        What ``final_step_input(self.pipeline_, convs)`` gives, but the
+        extractor reads only :attr:`predict_sites_` (a view of ``pipeline_``'s
+        extractor: :meth:`TurnActivationTransformer._restricted`), so its forward
+        passes stop after the deepest of them; the selector picks its sites by
+        name, so the predictions are the same. An attributor saved before
+        ``predict_sites_`` existed gets them from its pieces here (nothing fitted
+        is set).
+        """
+        pipeline = self.pipeline_
+        if "predict_sites_" in vars(self):
+            sites = self.predict_sites_
+        else:  # saved by an older skafa
+            sites = _predict_sites(pipeline, getattr(self, "shift_detector_", None))
+        if not sites:
+            return final_step_input(pipeline, convs)
+        extractor = pipeline.steps[0][1]._restricted(sites)
+        return pipeline.steps[-1][1], extractor.transform(convs)
+
     # ------------------------------------------- DecisiveStepMixin hooks
     # predict, predict_agent, turn_decision_function and turn_predict_proba are
     # the fitted pipeline's, on the validated conversations.
     def _decisive_delegate(self, X, method):
         convs = self._convs(X)  # checks that it is fitted first
-        final, Xt = final_step_input(self.pipeline_, convs)
+        final, Xt = self._final_input(convs)
         self._check_shift(Xt, convs, stacklevel=5)  # the user's predict(...) line
         return final, Xt
 
@@ -673,7 +774,8 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
         convs = self._convs(X)
         if y is None:
             y = labels_from_conversations(convs, "FailureAttributor.score")
-        return self.pipeline_.score(convs, y)
+        final, Xt = self._final_input(convs)  # as pipeline_.score(convs, y)
+        return final.score(Xt, y)
 
     # --------------------------------------------------------------- evaluate
     def evaluate(self, X, y=None, *, agents=None, n_resamples=2000, confidence=0.95,
@@ -708,7 +810,7 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
         defaulted = y is None
         if defaulted:
             y = labels_from_conversations(convs, "FailureAttributor.evaluate")
-        final, Xt = final_step_input(self.pipeline_, convs)
+        final, Xt = self._final_input(convs)
         self._check_shift(Xt, convs)
         y = np.asarray(y)
         steps = np.asarray(final.predict(Xt), dtype=np.int64)
@@ -766,7 +868,7 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
             )
         if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
             raise ValueError(f"top_k must be a positive int, got {top_k!r}.")
-        final, Xt = final_step_input(self.pipeline_, [conversation])
+        final, Xt = self._final_input([conversation])
         shift_scores, flagged = self._check_shift(Xt, [conversation])
         scores = np.asarray(final.turn_decision_function(Xt)[0], dtype=np.float64)
         proba = np.asarray(final.turn_predict_proba(Xt)[0], dtype=np.float64)

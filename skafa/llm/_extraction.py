@@ -1014,6 +1014,52 @@ class TurnActivationTransformer(PersistenceMixin, TransformerMixin, BaseEstimato
         if getattr(self, "_run_stats", None) is None:
             self._run_stats = {"n_forward_passes": 0, "n_extracted": 0}
 
+    def _restricted(self, sites):
+        """A fitted view of this extractor that reads only ``sites`` (for predicting).
+
+        The view's :attr:`sites_` are ``sites`` in the order of this extractor's
+        :attr:`sites_`, so its forward passes stop right after the deepest of them
+        unless it is ``resid_final`` (:class:`SiteReader`), and cache entries
+        written with more sites serve it (:meth:`ActivationCache.get` slices
+        them). It shares this extractor's loaded model, tokenizer, activation
+        cache and :attr:`run_stats` counters (nothing is loaded twice) and changes
+        none of its fitted attributes; its other parameters are this extractor's
+        as they are now. Built per call: cheap (no copy of any array).
+
+        Parameters
+        ----------
+        sites : sequence of str
+            Some of :attr:`sites_` (at least one).
+
+        Returns
+        -------
+        view : TurnActivationTransformer
+            ``self`` when ``sites`` are all of :attr:`sites_`.
+
+        Raises
+        ------
+        ValueError
+            If ``sites`` is empty or names a site this extractor does not read.
+        """
+        check_is_fitted(self, "sites_")
+        own = tuple(str(s) for s in self.sites_)
+        wanted = [str(s) for s in sites]
+        missing = [s for s in wanted if s not in own]
+        if not wanted or missing:
+            raise ValueError(
+                f"cannot restrict {type(self).__name__} to the sites {wanted}: "
+                + (f"it does not read {missing} " if missing else "no site given ")
+                + f"(its sites_ are {list(own)}).")
+        chosen = tuple(s for s in own if s in set(wanted))
+        if chosen == own:
+            return self
+        self._ensure_loaded()  # the view shares the loaded model, cache and counters
+        view = object.__new__(type(self))
+        view.__dict__.update(self.__dict__)  # not copy.copy: __getstate__ drops the model
+        view.sites = list(chosen)
+        view.sites_ = chosen
+        return view
+
     # ------------------------------------------------------------------ API
     @fit_context(prefer_skip_nested_validation=True)
     def fit(self, X, y=None):
