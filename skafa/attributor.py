@@ -375,10 +375,14 @@ def _predict_sites(pipeline, detector):
     """The sites predicting with ``pipeline`` (and ``detector``) reads, in the
     extractor's order; None when the extractor is not a TurnActivationTransformer
     or what the pieces read is not known (then predicting extracts every site)."""
+    from .domain import CoralAdapter
     from .llm import TurnActivationTransformer
 
     steps = getattr(pipeline, "steps", None)
-    if not isinstance(steps, list) or len(steps) != 2:
+    if not isinstance(steps, list) or len(steps) < 2:
+        return None
+    # steps between extractor and selector must work on any subset of the sites
+    if not all(isinstance(step, CoralAdapter) for _, step in steps[1:-1]):
         return None
     extractor, final = steps[0][1], steps[-1][1]
     produced = vars(extractor).get("sites_") if isinstance(
@@ -580,7 +584,7 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
         # the pieces are validated when they are fitted
         prefer_skip_nested_validation=False
     )
-    def fit(self, X, y=None, groups=None):
+    def fit(self, X, y=None, groups=None, *, target_runs=None):
         """Extract the features, then fit the selector on them (site by grouped CV).
 
         Parameters
@@ -593,6 +597,16 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
         groups : array-like of shape (n_conversations,), default=None
             Groups of the selector's splitter; ``None`` uses the task ids when
             every conversation has one.
+        target_runs : list of Conversation, default=None
+            Unlabelled runs of the framework the attributor will be asked about,
+            when it is not the training runs' (``docs/your-own-framework.md``).
+            Then a :class:`~skafa.domain.CoralAdapter` (the pre-registered rule's
+            winner) is fitted between the extractor and the selector: the
+            selector is fitted on the training features re-coloured with the
+            target runs' covariance, and runs to attribute are standardised with
+            the target runs' statistics. Measured on Who&When, it lifts a probe
+            from below chance to chance, not beyond: label some of your runs.
+
         Returns
         -------
         self : FailureAttributor
@@ -607,6 +621,14 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
         # Same as pipeline.fit(convs, y, select__groups=groups), but also valid
         # when scikit-learn's metadata routing is enabled.
         Xt = pipeline[:-1].fit_transform(convs, y)
+        if target_runs is not None:
+            from .domain import CoralAdapter
+
+            targets = check_conversations(target_runs, "FailureAttributor.fit(target_runs)")
+            adapter = CoralAdapter()
+            Xt = adapter.fit_transform(Xt, target_X=pipeline[:-1].transform(targets))
+            pipeline = AttributionPipeline([pipeline.steps[0], ("adapt", adapter),
+                                            pipeline.steps[-1]])
         pipeline[-1].fit(Xt, y, groups=groups)
         selector = pipeline[-1]
         self.pipeline_ = pipeline
@@ -757,8 +779,10 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
             sites = _predict_sites(pipeline, getattr(self, "shift_detector_", None))
         if not sites:
             return final_step_input(pipeline, convs)
-        extractor = pipeline.steps[0][1]._restricted(sites)
-        return pipeline.steps[-1][1], extractor.transform(convs)
+        Xt = pipeline.steps[0][1]._restricted(sites).transform(convs)
+        for _, step in pipeline.steps[1:-1]:  # an adapter (CoralAdapter: any sites)
+            Xt = step.transform(Xt)
+        return pipeline.steps[-1][1], Xt
 
     # ------------------------------------------- DecisiveStepMixin hooks
     # predict, predict_agent, turn_decision_function and turn_predict_proba are

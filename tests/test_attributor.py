@@ -457,3 +457,12 @@ def test_target_runs_fit_a_coral_adapter_between_extractor_and_selector(conversa
     assert 0 <= att.step < len(conversations[31])
     loaded = FailureAttributor.load(fa.save(tmp_path / "adapted"))
     np.testing.assert_array_equal(loaded.predict(conversations[30:]), steps)
+    # predicting reads only the probe's (and the detector's) sites, through the adapter
+    assert fa.predict_sites_ is not None
+    assert set(fa.predict_sites_) <= set(fa.pipeline_[0].sites_)
+    from skafa.compose import final_step_input
+
+    final, Xfull = final_step_input(fa.pipeline_, conversations[30:])
+    for a, b in zip(final.turn_decision_function(Xfull),
+                    fa.turn_decision_function(conversations[30:])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
