@@ -69,18 +69,22 @@ def who_and_when_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def benchmarks_md_table():
-    """``table(marker) -> (header, rows)``: the Markdown table of docs/benchmarks.md
-    between ``<!-- marker -->`` and ``<!-- /marker -->``, each row a list of cells
-    (stripped, bold removed), the separator line left out. Fails when the marker is
-    missing, so a table that moves out of its markers fails its test."""
+    """``table(marker) -> (header, rows)``: the Markdown table of a study page
+    (docs/benchmarks/*.md, one page per study of the benchmarks) between
+    ``<!-- marker -->`` and ``<!-- /marker -->``, each row a list of cells (stripped, bold
+    removed), the separator line left out. Fails when the marker is missing or on two
+    pages, so a table that moves out of its markers fails its test."""
     import re
 
-    text = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    pages = sorted((REPO / "docs" / "benchmarks").glob("*.md"))
 
     def table(marker):
-        found = re.search(rf"<!-- {re.escape(marker)} -->\n(.*?)<!-- /{re.escape(marker)} -->",
-                          text, re.S)
-        assert found, f"no table marked {marker} in docs/benchmarks.md"
+        pattern = rf"<!-- {re.escape(marker)} -->\n(.*?)<!-- /{re.escape(marker)} -->"
+        hits = [m for page in pages
+                for m in re.finditer(pattern, page.read_text(encoding="utf-8"), re.S)]
+        assert hits, f"no table marked {marker} in docs/benchmarks/*.md"
+        assert len(hits) == 1, f"{len(hits)} tables marked {marker} in docs/benchmarks/*.md"
+        found = hits[0]
         lines = [ln for ln in found.group(1).splitlines() if ln.startswith("|")]
         cells = [[c.strip().replace("**", "") for c in ln.strip().strip("|").split("|")]
                  for ln in lines]

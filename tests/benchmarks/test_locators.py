@@ -522,9 +522,9 @@ _DOC_ROWS = {"locator-head probe": "locator_probe", "top locator head": "top_loc
 ])
 def test_benchmarks_md_locator_tables_match_the_committed_result_files(marker, stem,
                                                                       benchmarks_md_table):
-    """Each §8 table in docs/benchmarks.md shows its result file's numbers (step accuracy
-    with its CI, lenient step, exact agent accuracy; percent, one decimal), every row; a
-    row the result file names as not run says so, and only such a row."""
+    """Each §8 table (docs/benchmarks/locators-grafting.md) shows its result file's numbers
+    (step accuracy with its CI, lenient step, exact agent accuracy; percent, one decimal),
+    every row; a row the result file names as not run says so, and only such a row."""
     import re
 
     docs = Path(__file__).resolve().parents[2] / "docs"

@@ -460,7 +460,7 @@ def test_model_tag_keeps_readers_apart():
     assert model_tag("Qwen/Qwen2.5-0.5B") == "Qwen2.5-0.5B"
 
 
-# ---------------------------------------------------------------- docs/benchmarks.md tables
+# ------------------------------------------- docs/benchmarks/*.md tables (the study pages)
 
 _DOCS = Path(__file__).resolve().parents[2] / "docs"
 _HEADLINE = "skafa (pre-registered auto)"

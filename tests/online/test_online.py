@@ -519,16 +519,16 @@ def test_smollm2_prefix_and_stream_equality_on_real_records(who_and_when_dir):
 
 @pytest.mark.integration
 def test_user_guide_streaming_example():
-    # The SmolLM2 streaming example of docs/user-guide.md, section 11, runs as written.
+    # The SmolLM2 streaming example of the user guide's online-auditing page runs as written.
     _smollm2_or_skip()
     import re
 
-    guide = (Path(__file__).resolve().parents[2] / "docs" / "user-guide.md").read_text(
-        encoding="utf-8")
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "guide" / "online-auditing.md"
+             ).read_text(encoding="utf-8")
     m = re.search(r"test_user_guide_streaming_example -->\n```python\n(.*?)\n```", guide, re.S)
     assert m, "the streaming example is missing from the user guide"
     namespace = {"__name__": "user_guide_streaming"}
-    exec(compile(m.group(1), "user-guide.md:streaming", "exec"), namespace)
+    exec(compile(m.group(1), "guide/online-auditing.md:streaming", "exec"), namespace)
     session = namespace["session"]
     assert 1 <= len(session.verdicts) <= 3 and session.n_tokens > 100
     assert isinstance(namespace["verdict"].score, float)
