@@ -21,10 +21,20 @@ Two modes:
 ``"generate"``
     Greedy generation of up to ``max_new_tokens`` tokens after the answer
     prefix; the first integer in the generated text is the answer.
+
+Both ask all at once (``strategy="all_at_once"``, one question per run). The
+Who&When paper's strategies that ask several questions about one run
+(``"step_by_step"``, ``"binary_search"``, ``"sequential"``) are in
+``_strategies`` (what to ask and when to stop) and :class:`_QuestionSession`
+(asking the model, with the KV cache of the questions' shared prefix);
+:meth:`PromptedJudge.strategy_report` gives any strategy's forward passes and
+tokens per conversation.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import numbers
 import os
 import re
@@ -53,10 +63,20 @@ from ..utils.validation import (
     describe_conversation,
     labels_from_conversations,
 )
+from ._strategies import (
+    PassCounter,
+    QuestionAsker,
+    binary_search,
+    sweep_result,
+    word_continuation_mask,
+    yes_no_sweep,
+)
 
 __all__ = ["PromptedJudge"]
 
 _MODES = ("logprob", "generate")
+#: How the judge asks (``PromptedJudge(strategy=...)``; see ``_strategies``).
+_STRATEGIES = ("all_at_once", "step_by_step", "binary_search", "sequential")
 _INT_RE = re.compile(r"-?[0-9]+")  # ASCII digits only, as for mistake_step
 _ASCII_DIGITS = frozenset("0123456789")
 
@@ -114,7 +134,26 @@ def answer_token_plan(tokenizer, answer_prefix, n_steps):
     continuations : list of list of int
         Token ids of each candidate after ``shared``; never empty.
     """
-    texts = [f"{answer_prefix}{i}" for i in range(n_steps)]
+    return answer_plan(tokenizer, answer_prefix, [str(i) for i in range(n_steps)])
+
+
+def answer_plan(tokenizer, answer_prefix, candidates):
+    """:func:`answer_token_plan` for any candidate answers (texts), not only numbers.
+
+    Parameters
+    ----------
+    tokenizer : transformers tokenizer
+    answer_prefix : str
+    candidates : list of str
+        The answers; ``answer_prefix + candidate`` is tokenized as a whole.
+
+    Returns
+    -------
+    shared : list of int
+    continuations : list of list of int
+        One non-empty token list per candidate.
+    """
+    texts = [f"{answer_prefix}{c}" for c in candidates]
     seqs = [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     k = min(_common_prefix_length(seqs), min(len(s) for s in seqs) - 1)
     return seqs[0][:k], [s[k:] for s in seqs]
@@ -464,6 +503,104 @@ def parse_step(text, n_steps):
     return value, 0 <= value < n_steps
 
 
+# ----------------------------------------------------------------------------- questions
+def _end_masks(tokenizer, lm):
+    """What ends a candidate answer: a non-digit after a number, a non-word after a word."""
+    vocab = int(lm.get_output_embeddings().weight.shape[0])
+    return {"number": number_continuation_mask(tokenizer, vocab),
+            "word": word_continuation_mask(tokenizer, vocab)}
+
+
+def _roll_back(cache, length):
+    """Cut a dynamic KV cache back to its first ``length`` tokens (every layer)."""
+    now = int(cache.get_seq_length())
+    if now > length:
+        cache.crop(-(now - length))  # negative: remove that many (transformers 4 and 5)
+    if int(cache.get_seq_length()) != length:
+        raise RuntimeError(f"could not roll the KV cache back to {length} tokens.")
+
+
+class _QuestionSession(QuestionAsker):
+    """The questions about one conversation, sharing the KV cache of their common prefix.
+
+    :meth:`ask` renders the question's prompt (the judge's template with the
+    question as its instruction, over the first ``n_turns`` turns, then the
+    answer's shared tokens), finds the longest token prefix it shares with the
+    tokens held in the cache (the previous prompt but its last token), rolls the
+    cache back to it, runs the rest of the prompt but its last token, then scores
+    the candidates in one packed pass whose query 0 is that last token
+    (:func:`_score_packed` with ``lead``) and rolls the cache back to the prompt.
+    A model with sliding-window layers (whose cache cannot be rolled back) scores
+    every question from scratch with :func:`score_candidates`.
+    """
+
+    def __init__(self, judge, lm, tokenizer, index, conv, masks):
+        self.judge, self.lm, self.tokenizer = judge, lm, tokenizer
+        self.index, self.conv, self.masks = index, conv, masks
+        self.pad_id = judge._pad_id(tokenizer)
+        self.reuse = not has_sliding_window(lm)
+        self.device = next(lm.parameters()).device
+        self.cache, self.held = None, np.zeros(0, dtype=np.int64)
+        self.trace, self.prompt_tokens = [], 0
+
+    def close(self):
+        self.cache, self.held = None, np.zeros(0, dtype=np.int64)
+
+    def prompt(self, n_turns, question, answer_prefix, candidates):
+        """Token ids of the question's prompt (the answer's shared tokens included)
+        and each candidate's remaining tokens."""
+        from ..online import conversation_prefix
+
+        conv = self.conv if n_turns == len(self.conv) else conversation_prefix(self.conv,
+                                                                               n_turns)
+        shared, conts = answer_plan(self.tokenizer, answer_prefix, candidates)
+        template = dataclasses.replace(self.judge.prompt_, instruction=question)
+        extra = len(shared) + max(len(c) for c in conts)
+        enc = self.judge._encode(self.index, conv, self.tokenizer, extra,
+                                 "the question's answer tokens", template=template)
+        ids = np.concatenate([np.asarray(enc.input_ids, dtype=np.int64),
+                              np.asarray(shared, dtype=np.int64)])
+        return ids, conts
+
+    def ask(self, kind, about, n_turns, question, answer_prefix, candidates, terminator):
+        """Log-probability of every candidate answer (float64 array); recorded."""
+        ids, conts = self.prompt(n_turns, question, answer_prefix, candidates)
+        scores = self.score(ids, conts, self.masks[terminator])
+        self.prompt_tokens += len(ids)
+        self.trace.append({"kind": kind, "about": about, "n_turns_shown": int(n_turns),
+                           "question": question, "candidates": list(candidates),
+                           "scores": [float(v) for v in scores], "prompt_tokens": len(ids)})
+        return scores
+
+    def score(self, ids, conts, end_mask):
+        """Candidate log-probabilities after ``ids``, continuing the held cache."""
+        import torch
+
+        if not self.reuse or len(ids) < 2:
+            return score_candidates(self.lm, [ids], [conts], end_mask, pad_id=self.pad_id)[0]
+        n = len(ids)
+        keep = min(_common_prefix_length([self.held, ids[: n - 1]]), n - 1)
+        if keep == 0:
+            self.cache = None
+        elif self.cache is not None:
+            _roll_back(self.cache, keep)
+        if keep < n - 1:
+            extra = {} if self.cache is None else {kv_cache_argument(self.lm): self.cache}
+            with torch.inference_mode():
+                out = self.lm(
+                    input_ids=torch.as_tensor(ids[None, keep:n - 1], device=self.device),
+                    position_ids=torch.arange(keep, n - 1, device=self.device)[None],
+                    use_cache=True, logits_to_keep=1, **extra)
+            self.cache = _output_cache(out)
+        self.held = ids[: n - 1]
+        try:
+            return _score_packed(self.lm, self.cache, None,
+                                 torch.ones((1, n - 1), dtype=torch.long), [n - 1], [conts],
+                                 end_mask, self.pad_id, self.device, lead=[int(ids[-1])])[0]
+        finally:
+            _roll_back(self.cache, n - 1)
+
+
 # ----------------------------------------------------------------------------- estimator
 class _ConversationRows:
     """Per-turn rows of a list of conversations, for :class:`~skafa.base.DecisiveStepMixin`.
@@ -556,13 +693,18 @@ class _StepJudge(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
         return convs, lm, tokenizer
 
     # ------------------------------------------------------------------ encoding
-    def _encode(self, index, conv, tokenizer, extra_tokens, what):
-        """Encode one conversation; refuse it (naming it) when it cannot fit."""
+    def _encode(self, index, conv, tokenizer, extra_tokens, what, template=None):
+        """Encode one conversation; refuse it (naming it) when it cannot fit.
+
+        ``template`` replaces ``prompt_`` (the strategies' questions are the same
+        template with another instruction).
+        """
         from ..exceptions import PromptTooLongError
         from ..llm import check_fits
 
-        enc = self.prompt_.encode(conv, tokenizer, chat_template_kwargs=self.chat_template_kwargs,
-                                  index=index, max_tokens=self.context_length_)
+        template = self.prompt_ if template is None else template
+        enc = template.encode(conv, tokenizer, chat_template_kwargs=self.chat_template_kwargs,
+                              index=index, max_tokens=self.context_length_)
         check_fits(enc, self.context_length_, index, conv)
         if enc.n_tokens + extra_tokens > self.context_length_:
             budget = self.context_length_ - extra_tokens
@@ -708,8 +850,46 @@ class PromptedJudge(_StepJudge):
     prediction then falls back to step 0 (the first turn), and
     :meth:`generate_report` flags it.
 
+    ``strategy`` says how the judge asks (the Who&When paper's strategies; every
+    answer is read by log-probability over a closed set of candidates, so the
+    strategies other than ``"all_at_once"`` need ``mode="logprob"``):
+
+    ``"all_at_once"`` (default)
+        One question about the whole run, as above.
+    ``"step_by_step"``
+        For ``t = 0, 1, ...``: the transcript up to turn ``t`` and the
+        question "Is step ``t`` (speaker) the decisive error?", answered *yes*
+        when ``log p(Yes) - log p(No) > yes_threshold``. It stops at the first
+        yes, the prediction; without one every turn was asked and the most likely
+        yes (the largest margin) wins. Turn ``t`` scores ``log sigmoid(margin)``
+        (the yes, normalised over Yes/No); turns never asked score ``-inf``.
+    ``"binary_search"``
+        The whole transcript and "Is the decisive error in steps ``a-m`` or in
+        steps ``m+1-b``?", the answers being the two ranges (the first half holds
+        ``ceil(n/2)`` turns; ties go to it); the chosen half is the next range,
+        until one turn is left: between ``floor(log2 n)`` and ``ceil(log2 n)``
+        questions. A turn scores the log-probability (over the two halves) of its
+        half at the question that settled it.
+    ``"sequential"``
+        The whole transcript and "Which agent is responsible for the decisive
+        error?" among the run's speakers (answers: their names), then step by
+        step over that agent's turns only: ``1 +`` the number of them asked.
+        Those turns score ``log p(agent) + log sigmoid(margin)``; every other
+        turn ``-inf``.
+
+    The prediction is always the strategy's answer and the first argmax of
+    :meth:`turn_decision_function`. The questions of one run share a prefix
+    (system message, task, the beginning of the transcript): its KV cache is
+    kept, and each question runs only the tokens it does not share with the
+    previous one, then scores its candidates in one packed pass (a model with
+    sliding-window layers reruns each question whole). These strategies ask one
+    conversation at a time (``batch_size`` is not used) and ignore
+    ``answer_prefix``. :meth:`strategy_report` counts every question, forward
+    pass and token.
+
     The estimator learns nothing from labels: ``fit`` validates ``X``, loads
-    the model and records its identity and context length.
+    the model and records its identity and context length; with
+    ``yes_threshold="fit"`` it also chooses the yes/no threshold on the labels.
 
     Parameters
     ----------
@@ -727,6 +907,19 @@ class PromptedJudge(_StepJudge):
         Start of the assistant's answer, placed after the generation prompt.
     mode : {"logprob", "generate"}, default="logprob"
         How the model's answer is read (see above).
+    strategy : {"all_at_once", "step_by_step", "binary_search", "sequential"}, \
+            default="all_at_once"
+        How the judge asks (see above).
+    yes_threshold : float or "fit", default=0.0
+        With ``"step_by_step"`` and ``"sequential"``: a turn's answer is *yes*
+        when ``log p(Yes) - log p(No)`` exceeds it. ``0.0`` is the model's own
+        preference (its greedy answer). ``"fit"``: ``fit`` asks about every
+        candidate turn of the training conversations (no early stop) and keeps
+        the threshold with the best step accuracy on their labels (the one
+        closest to 0 among equals; ``yes_threshold_``). Small models say "Yes"
+        (or "No") to almost any such question, which stops the search at the
+        first turn (or never); the threshold corrects that bias, the one thing
+        labels can teach this zero-shot judge. Unused by the other strategies.
     max_new_tokens : int, default=8
         Generation budget in ``mode="generate"`` and :meth:`generate_report`.
     device : str, default="cpu"
@@ -755,7 +948,11 @@ class PromptedJudge(_StepJudge):
         Architecture of the loaded model (:func:`skafa.llm.model_fingerprint`);
         checked again before every prediction.
     n_conversations_fit_ : int
-        Number of conversations seen by ``fit`` (nothing is learned from them).
+        Number of conversations seen by ``fit`` (nothing is learned from them,
+        except the threshold with ``yes_threshold="fit"``).
+    yes_threshold_ : float
+        The yes/no threshold used: ``yes_threshold``, or the fitted one (``0.0``
+        where the strategy asks no yes/no question).
 
     See Also
     --------
@@ -788,6 +985,9 @@ class PromptedJudge(_StepJudge):
     _parameter_constraints: dict = {
         **_StepJudge._parameter_constraints,
         "mode": [StrOptions(set(_MODES))],
+        "strategy": [StrOptions(set(_STRATEGIES))],
+        "yes_threshold": [Interval(numbers.Real, None, None, closed="neither"),
+                          StrOptions({"fit"})],
         "max_new_tokens": [Interval(numbers.Integral, 1, None, closed="left")],
     }
 
@@ -799,6 +999,8 @@ class PromptedJudge(_StepJudge):
         chat_template_kwargs=None,
         answer_prefix="Step: ",
         mode="logprob",
+        strategy="all_at_once",
+        yes_threshold=0.0,
         max_new_tokens=8,
         device="cpu",
         dtype="auto",
@@ -810,6 +1012,8 @@ class PromptedJudge(_StepJudge):
         self.chat_template_kwargs = chat_template_kwargs
         self.answer_prefix = answer_prefix
         self.mode = mode
+        self.strategy = strategy
+        self.yes_threshold = yes_threshold
         self.max_new_tokens = max_new_tokens
         self.device = device
         self.dtype = dtype
@@ -821,12 +1025,18 @@ class PromptedJudge(_StepJudge):
     def fit(self, X, y=None, groups=None):
         """Validate the conversations and load the model. Learns nothing from ``y``.
 
+        Except, with ``yes_threshold="fit"`` and a yes/no strategy, the threshold:
+        every candidate turn of every conversation is asked about (see
+        ``yes_threshold``).
+
         Parameters
         ----------
         X : list of Conversation
             Conversations (only validated; the judge is zero-shot).
         y : array-like of int, shape (n_conversations,), default=None
-            Ignored apart from validation (checked against ``X`` when given).
+            Ignored apart from validation (checked against ``X`` when given);
+            with ``yes_threshold="fit"``, the labels the threshold is chosen on
+            (``None``: the conversations' ``mistake_step``).
         groups : array-like, default=None
             Ignored; accepted for API compatibility with grouped splitters.
 
@@ -835,8 +1045,155 @@ class PromptedJudge(_StepJudge):
         self : PromptedJudge
             The fitted judge.
         """
-        self._fit_model(X, y)
+        if self.strategy != "all_at_once" and self.mode != "logprob":
+            raise ValueError(
+                f"PromptedJudge(strategy={self.strategy!r}) reads every answer by "
+                f"log-probability; it needs mode='logprob', got mode={self.mode!r}.")
+        convs, lm, tokenizer = self._fit_model(X, y)
+        if self.yes_threshold == "fit" and self.strategy in ("step_by_step", "sequential"):
+            self.yes_threshold_ = self._fit_threshold(convs, y, lm, tokenizer)
+        else:
+            self.yes_threshold_ = 0.0 if self.yes_threshold == "fit" else float(
+                self.yes_threshold)
         return self
+
+    # ------------------------------------------------------------------ strategies
+    def _fit_threshold(self, convs, y, lm, tokenizer):
+        """The yes/no threshold with the best step accuracy on ``convs`` (see fit)."""
+        steps = _check_steps(y, convs, type(self).__name__)
+        masks = _end_masks(tokenizer, lm)
+        sweeps = [self._ask(i, conv, lm, tokenizer, masks, stop=False).sweep
+                  for i, conv in enumerate(convs)]
+        margins = np.unique(np.concatenate([np.asarray(s.margins, dtype=np.float64)
+                                            for s in sweeps]))
+        # one threshold per interval between distinct margins, below them all and at
+        # the largest (nothing above it: every run falls back to its largest margin)
+        candidates = np.unique(np.concatenate([[0.0, margins[0] - 1.0, margins[-1]],
+                                               (margins[1:] + margins[:-1]) / 2]))
+        candidates = candidates[np.argsort(np.abs(candidates), kind="stable")]
+        accuracy = [np.mean([s.decide(t) == step for s, step in zip(sweeps, steps)])
+                    for t in candidates]
+        best = candidates[int(np.argmax(accuracy))]  # the first: closest to 0
+        log(self, 1, f"yes_threshold={best:.4g}: step accuracy {max(accuracy):.3f} on "
+                     f"{len(convs)} conversations")
+        return float(best)
+
+    def _ask(self, index, conv, lm, tokenizer, masks, *, stop=True):
+        """Ask one conversation's questions; a Bunch with the answer and its record.
+
+        ``prediction`` and ``scores`` (one per turn), ``questions`` (the
+        session's record of every question), ``prompt_tokens`` and, for the
+        yes/no strategies, ``sweep`` (turns asked about and their margins).
+        """
+        session = _QuestionSession(self, lm, tokenizer, index, conv, masks)
+        sweep = None
+        try:
+            if self.strategy == "binary_search":
+                prediction, scores = binary_search(session)
+            else:
+                threshold = getattr(self, "yes_threshold_", 0.0)
+                sweep = yes_no_sweep(session, self.strategy, threshold, stop=stop)
+                prediction, scores = sweep_result(sweep, len(conv), threshold)
+        finally:
+            session.close()
+        return Bunch(prediction=prediction, scores=scores, questions=session.trace,
+                     prompt_tokens=session.prompt_tokens, sweep=sweep)
+
+    def _all_at_once_record(self, index, conv, lm, tokenizer):
+        """One all-at-once question (as ``_judge_scores`` asks it) and its record."""
+        if self.mode == "generate":
+            scores = self._judge_scores([conv])[0]
+            prefix = tokenizer(self.answer_prefix, add_special_tokens=False)["input_ids"]
+            n = self._encode(index, conv, tokenizer, len(prefix) + int(self.max_new_tokens),
+                             "answer prefix and max_new_tokens").n_tokens + len(prefix)
+            candidates = None
+        else:
+            plan = self._candidate_plan([conv], lm, tokenizer)
+            scores = score_candidates(lm, plan.prefixes, plan.continuations, plan.number_mask,
+                                      pad_id=plan.pad_id)[0]
+            n = len(plan.prefixes[0])
+            candidates = [str(i) for i in range(len(conv))]
+        record = {"kind": "all_at_once", "about": list(range(len(conv))),
+                  "n_turns_shown": len(conv), "question": self.prompt_.instruction,
+                  "candidates": candidates, "scores": [float(v) for v in scores],
+                  "prompt_tokens": int(n)}
+        return Bunch(prediction=int(np.argmax(scores)), scores=np.asarray(scores, np.float64),
+                     questions=[record], prompt_tokens=int(n))
+
+    def _strategy_runs(self, convs, count=False):
+        """Every conversation's Bunch (see ``_ask``), with its cost when ``count``."""
+        lm, tokenizer = self._load_checked()
+        masks = _end_masks(tokenizer, lm)
+        counter = PassCounter()
+        runs = []
+        start = time.perf_counter()
+        with counter.counting(lm) if count else contextlib.nullcontext():
+            for i, conv in enumerate(convs):
+                calls, tokens = counter.calls, counter.tokens
+                if self.strategy == "all_at_once":
+                    run = self._all_at_once_record(i, conv, lm, tokenizer)
+                else:
+                    run = self._ask(i, conv, lm, tokenizer, masks)
+                run.forward_passes = counter.calls - calls
+                run.computed_tokens = counter.tokens - tokens
+                runs.append(run)
+                if self.verbose > 0:
+                    log(self, 1, f"{i + 1}/{len(convs)} conversations "
+                                 f"({conv.record_id or i}): {len(run.questions)} questions, "
+                                 f"{time.perf_counter() - start:.2f} s")
+        return runs
+
+    def strategy_report(self, X):
+        """Ask every conversation as ``strategy`` says; the answers and their cost.
+
+        Works for every strategy (``"all_at_once"`` asks one conversation at a
+        time here, whatever ``batch_size``, so that each pass belongs to one
+        conversation). The cost is counted on the model: every call of its
+        forward (a pre-hook) and the tokens it runs.
+
+        Parameters
+        ----------
+        X : list of Conversation
+            Conversations to judge.
+
+        Returns
+        -------
+        report : Bunch
+            ``predictions`` (int64 ndarray; equal to :meth:`predict`),
+            ``turn_scores`` (list of float64 ndarrays; :meth:`turn_decision_function`),
+            ``n_questions`` (int64 ndarray: questions asked per conversation),
+            ``forward_passes`` (int64 ndarray: calls of the model's forward),
+            ``computed_tokens`` (int64 ndarray: tokens those calls ran, the
+            candidates' and padding included; with the shared prefix's KV cache
+            reused, far fewer than the questions' prompts),
+            ``prompt_tokens`` (int64 ndarray: the sum of the questions' prompt
+            lengths, what a judge without a shared cache would read),
+            ``run_tokens`` (int64 ndarray: tokens of the all-at-once prompt of the
+            whole run, one forward pass of the run, to express the cost in such
+            passes) and ``questions`` (per conversation, one dict per question:
+            ``kind``, the turns it is ``about``, ``n_turns_shown``, the
+            ``question``, the ``candidates`` and their ``scores``, its
+            ``prompt_tokens``).
+        """
+        check_is_fitted(self)
+        convs = check_conversations(X, type(self).__name__)
+        runs = self._strategy_runs(convs, count=True)
+        lm, tokenizer = self._load_checked()
+        run_tokens = [self.prompt_.encode(conv, tokenizer,
+                                          chat_template_kwargs=self.chat_template_kwargs,
+                                          index=i, max_tokens=self.context_length_).n_tokens
+                      for i, conv in enumerate(convs)]
+
+        def ints(key):
+            return np.asarray([r[key] for r in runs], dtype=np.int64)
+
+        return Bunch(predictions=ints("prediction"), turn_scores=[r.scores for r in runs],
+                     n_questions=np.asarray([len(r.questions) for r in runs], dtype=np.int64),
+                     forward_passes=ints("forward_passes"),
+                     computed_tokens=ints("computed_tokens"),
+                     prompt_tokens=ints("prompt_tokens"),
+                     run_tokens=np.asarray(run_tokens, dtype=np.int64),
+                     questions=[r.questions for r in runs])
 
     # ------------------------------------------------------------------ generate mode
     def generate_report(self, X):
@@ -897,7 +1254,10 @@ class PromptedJudge(_StepJudge):
     # ------------------------------------------------------------------ scores
     def _judge_scores(self, convs):
         """``"logprob"``: the log-probability that the answer is that step's number;
-        ``"generate"``: 1.0 at the parsed step (0 on a parse failure), 0.0 elsewhere."""
+        ``"generate"``: 1.0 at the parsed step (0 on a parse failure), 0.0 elsewhere;
+        another strategy: its turn scores (see the class docstring)."""
+        if self.strategy != "all_at_once":
+            return [run.scores for run in self._strategy_runs(convs)]
         if self.mode == "logprob":
             return self._logprob_scores(convs)
         out = []

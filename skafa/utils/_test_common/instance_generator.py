@@ -105,6 +105,10 @@ def _prompted_judge():
     return [
         PromptedJudge(register_tiny_model()),
         PromptedJudge(register_tiny_model(), mode="generate", max_new_tokens=2),
+        # the strategies that ask several questions per run (threshold fitted on y)
+        PromptedJudge(register_tiny_model(), strategy="step_by_step", yes_threshold="fit"),
+        PromptedJudge(register_tiny_model(), strategy="binary_search"),
+        PromptedJudge(register_tiny_model(), strategy="sequential"),
     ]
 
 
