@@ -661,7 +661,8 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
             detector.set_params(cv=min(detector.cv, n_groups))
         else:
             detector = clone(self.shift_detector)
-        sites = getattr(self, "best_sites_", None)
+        # the sites the selector reads (best_sites_, a SiteEnsemble's sites_, a probe's site_)
+        sites = getattr(self, "best_sites_", None) or _sites_read_by(self.pipeline_[-1])
         if detector.get_params().get("sites", "absent") is None and sites:
             detector.set_params(sites=list(sites))
         return detector.fit(Xt, groups=groups)

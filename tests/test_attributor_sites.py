@@ -161,11 +161,13 @@ def test_predict_sites_are_those_the_selector_reads(kind, expected, fitted):
     assert fa.predict_sites_ == expected
 
 
-def test_no_restriction_when_unknown(conversations):
-    # a plain probe with the "auto" shift detector: the detector reads every site
+def test_a_plain_probe_and_its_shift_detector_read_the_probe_site(conversations):
+    # the "auto" shift detector reads the sites the final step reads (a probe's site_)
     fa = FailureAttributor(_extractor(), _selector("probe")).fit(conversations[:20])
-    assert fa.predict_sites_ == ALL_SITES
-    assert fa.pipeline_[0]._restricted(fa.predict_sites_) is fa.pipeline_[0]
+    probe_site = fa.pipeline_[-1].site_
+    assert fa.shift_detector_.sites_ == (probe_site,)
+    assert fa.predict_sites_ == (probe_site,)
+    assert fa.pipeline_[0]._restricted(ALL_SITES) is fa.pipeline_[0]
 
 
 # ------------------------------------------------------- (1) identical results
