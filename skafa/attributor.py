@@ -353,7 +353,11 @@ def _sites_read_by(estimator):
     only those sites give the same predictions. Any other estimator: None.
     """
     from .model_selection import SiteEnsemble, SiteSelector
-    from .probes._base import _BaseGroupedArgmax
+    from .probes import (
+        GroupedArgmaxClassifier,
+        GroupedArgmaxLogisticClassifier,
+        GroupedSoftmaxClassifier,
+    )
 
     state = vars(estimator)
     if isinstance(estimator, SiteSelector):
@@ -362,7 +366,8 @@ def _sites_read_by(estimator):
         sites = state.get("best_sites_") or (state.get("best_site_"),)
     elif isinstance(estimator, SiteEnsemble):
         sites = state.get("sites_")
-    elif isinstance(estimator, _BaseGroupedArgmax):
+    elif isinstance(estimator, (GroupedArgmaxClassifier, GroupedArgmaxLogisticClassifier,
+                                GroupedSoftmaxClassifier)):
         sites = (state.get("site_"),)
     else:
         return None
