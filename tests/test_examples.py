@@ -271,3 +271,10 @@ def test_benchmark_transfer_help(capsys):
     assert exc.value.code == 0
     assert "--cache-dir" in capsys.readouterr().out
 
+
+
+def test_shift_tails_help(capsys):
+    module = _load("shift_tails")
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--help"])
+    assert exc.value.code == 0
