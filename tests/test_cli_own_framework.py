@@ -130,14 +130,20 @@ def test_label_and_learning_curve_answer_help(capsys):
 
 
 # ------------------------------------------------------------- the loop in a terminal
-def _tmux(*args):
-    return subprocess.run(["tmux", *args], check=True, capture_output=True, text=True)
+def _tmux(session, *args):
+    """tmux on a server of this session's own (``-L``): a session ending (and its server
+    with it) never races the start of the next one."""
+    done = subprocess.run(["tmux", "-L", session, *args], capture_output=True, text=True)
+    if done.returncode:
+        raise AssertionError(f"tmux {' '.join(args[:3])} failed ({done.returncode}): "
+                             f"{done.stderr.strip()}")
+    return done
 
 
 def _wait_for(session, text, timeout=60):
     end = time.time() + timeout
     while time.time() < end:
-        pane = _tmux("capture-pane", "-p", "-S", "-200", "-t", session).stdout
+        pane = _tmux(session, "capture-pane", "-p", "-S", "-200", "-t", session).stdout
         if text in pane:
             return pane
         time.sleep(0.2)
@@ -152,21 +158,21 @@ def test_label_loop_in_a_real_terminal_resumes_after_ctrl_c(tmp_path):
     out = tmp_path / "labels.json"
     session = f"skafa-{uuid.uuid4().hex[:8]}"
     cmd = f"{sys.executable} -m skafa.cli label {data} --out {out} --page-turns 2"
-    _tmux("new-session", "-d", "-s", session, "-x", "200", "-y", "50", cmd + "; sleep 30")
+    _tmux(session, "new-session", "-d", "-s", session, "-x", "200", "-y", "50", cmd + "; sleep 30")
     try:
         _wait_for(session, "decisive step (number)")
-        _tmux("send-keys", "-t", session, "99", "Enter")  # out of range: asked again
+        _tmux(session, "send-keys", "-t", session, "99", "Enter")  # out of range: asked again
         _wait_for(session, "step 99 is out of range")
-        _tmux("send-keys", "-t", session, "1", "Enter")
+        _tmux(session, "send-keys", "-t", session, "1", "Enter")
         _wait_for(session, "responsible agent")
-        _tmux("send-keys", "-t", session, "nobody", "Enter")  # unknown agent: asked again
+        _tmux(session, "send-keys", "-t", session, "nobody", "Enter")  # unknown agent: asked again
         _wait_for(session, "unknown agent 'nobody'")
-        _tmux("send-keys", "-t", session, "Enter")  # the speaker of turn 1
+        _tmux(session, "send-keys", "-t", session, "Enter")  # the speaker of turn 1
         _wait_for(session, "=== run 2/3")
-        _tmux("send-keys", "-t", session, "C-c")  # stop: the first answer is kept
+        _tmux(session, "send-keys", "-t", session, "C-c")  # stop: the first answer is kept
         _wait_for(session, "run the same command to resume")
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        subprocess.run(["tmux", "-L", session, "kill-server"], capture_output=True)
     labels = read_labels(out)
     first = convs[0]
     assert list(labels) == ["runs/0"]  # the record id the reader gives the first record
@@ -174,14 +180,14 @@ def test_label_loop_in_a_real_terminal_resumes_after_ctrl_c(tmp_path):
     assert lab == {"mistake_step": 1, "mistake_agent": first.turns[1].speaker}
     # the same command resumes with the two runs left
     session = f"skafa-{uuid.uuid4().hex[:8]}"
-    _tmux("new-session", "-d", "-s", session, "-x", "200", "-y", "50", cmd + "; sleep 30")
+    _tmux(session, "new-session", "-d", "-s", session, "-x", "200", "-y", "50", cmd + "; sleep 30")
     try:
         pane = _wait_for(session, "decisive step (number)")
         assert "2 run(s) to label (1 already labelled)" in pane
-        _tmux("send-keys", "-t", session, "q", "Enter")
+        _tmux(session, "send-keys", "-t", session, "q", "Enter")
         _wait_for(session, "stopped: 1 label(s)")
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        subprocess.run(["tmux", "-L", session, "kill-server"], capture_output=True)
     assert list(read_labels(out)) == ["runs/0"]
 
 
