@@ -123,7 +123,10 @@ class ShiftDetector(TurnInputMixin, BaseEstimator):
     every fold's reference — references of the same size, so new runs' scores and
     the calibration scores are comparable. (A reference refitted on all training
     runs would score new runs systematically lower, and a two-sided threshold
-    would flag them.)
+    would flag them.) The training runs themselves sit closer to the references than
+    new runs do: scored in-sample, more of them fall below ``lower_threshold_`` (on
+    Who&When, 8% and 10% flagged instead of about 5%; ``docs/your-own-framework.md``).
+    Ask it about new runs; ``two_sided=False`` flags the upper tail only.
 
     Examples
     --------
