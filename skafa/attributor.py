@@ -672,16 +672,14 @@ class FailureAttributor(DecisiveStepMixin, PersistenceMixin, BaseEstimator):
             detector.set_params(sites=list(sites))
         return detector.fit(Xt, groups=groups)
 
-    def _check_shift(self, Xt, convs, *, warn=True, stacklevel=4):
+    def _check_shift(self, Xt, convs, *, stacklevel=4):
         """Shift scores and flags of ``Xt`` (None, None without a detector); warns."""
         detector = getattr(self, "shift_detector_", None)
         if detector is None:
             return None, None
-        scores = detector.score_samples(Xt)
-        flagged = detector.predict(Xt)
-        if warn and flagged.any():
-            names = [describe(convs, i) for i in range(len(convs))]
-            detector.check(Xt, names=names, stacklevel=stacklevel)
+        names = [describe(convs, i) for i in range(len(convs))]
+        flagged, scores = detector.check(Xt, names=names, stacklevel=stacklevel,
+                                         return_scores=True)
         return scores, flagged
 
     #: The selector's results that :meth:`fit` copies onto the attributor.

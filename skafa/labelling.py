@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
+
+from .utils.fileio import atomic_write_bytes, read_json_file
 
 __all__ = ["LABELS_FORMAT", "apply_labels", "label_runs", "read_labels", "write_labels"]
 
@@ -64,21 +64,8 @@ def read_labels(path):
     path = Path(path)
     if not path.exists():
         return {}
-    if not path.is_file():
-        _fail(path, "is not a regular file.")
-    size = path.stat().st_size
-    if size > MAX_LABELS_BYTES:
-        _fail(path, f"holds {size:,} bytes; at most {MAX_LABELS_BYTES:,} are read.")
-    with open(path, "rb") as fh:
-        raw = fh.read(MAX_LABELS_BYTES + 1)
-
-    def no_constant(name):
-        _fail(path, f"holds {name}, which is not valid JSON.")
-
-    try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=no_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        _fail(path, f"is not valid JSON ({type(exc).__name__}: {str(exc)[:200]}).")
+    data = read_json_file(path, max_bytes=MAX_LABELS_BYTES,
+                          where=f"labels file {str(path)!r}")
     if not isinstance(data, dict) or data.get("format") != LABELS_FORMAT:
         _fail(path, f"is not a labels file (expected an object with format "
                     f"{LABELS_FORMAT!r}).")
@@ -110,18 +97,8 @@ def write_labels(path, labels):
     labels : dict
         ``{record_id: {"mistake_step": int, "mistake_agent": str}}``.
     """
-    path = Path(path)
     data = {"format": LABELS_FORMAT, "version": _VERSION, "labels": labels}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=1, ensure_ascii=False)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(path, json.dumps(data, indent=1, ensure_ascii=False).encode("utf-8"))
 
 
 def apply_labels(conversations, labels, *, source="labels"):

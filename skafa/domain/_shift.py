@@ -253,25 +253,32 @@ class ShiftDetector(TurnInputMixin, BaseEstimator):
         -------
         flagged : ndarray of bool, shape (n_conversations,)
         """
-        scores = self.score_samples(X)
+        return self._flag(self.score_samples(X))
+
+    def _flag(self, scores):
         return (scores > self.threshold_) | (scores < self.lower_threshold_)
 
-    def check(self, X, *, names=None, stacklevel=2):
+    def check(self, X, *, names=None, stacklevel=2, return_scores=False):
         """:meth:`predict`, warning with :class:`DistributionShiftWarning` if any run is flagged.
 
         Parameters
         ----------
         X : TurnFeatures
         names : sequence of str, optional
-            How to name the runs in the warning (default: their record ids where
-            known, else their positions).
+            How to name the runs in the warning (default: their positions and task
+            ids).
         stacklevel : int, default=2
+        return_scores : bool, default=False
+            Also return :meth:`score_samples` (computed once either way).
 
         Returns
         -------
         flagged : ndarray of bool, shape (n_conversations,)
+        scores : ndarray of shape (n_conversations,)
+            Only with ``return_scores=True``.
         """
-        flagged = self.predict(X)
+        scores = self.score_samples(X)
+        flagged = self._flag(scores)
         if flagged.any():
             idx = np.flatnonzero(flagged)
             named = [names[i] if names is not None else describe(X, i) for i in idx]
@@ -282,7 +289,7 @@ class ShiftDetector(TurnInputMixin, BaseEstimator):
                 "scores near chance on another framework's runs: label some of yours "
                 "(skafa label) and refit, pooled with the training runs.",
                 DistributionShiftWarning, stacklevel=stacklevel)
-        return flagged
+        return (flagged, scores) if return_scores else flagged
 
 
 def _rows_in_order(M, offsets, conversations):

@@ -14,11 +14,10 @@ the folder without ``.json``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..exceptions import ConversationError
-from ..utils.fileio import read_regular_file
+from ..utils.fileio import read_json_file
 
 __all__ = ["FORMATS", "MAX_TRACE_BYTES", "detect_format", "read_runs"]
 
@@ -33,20 +32,10 @@ _LANGCHAIN_TYPES = {"human", "ai", "tool", "system", "function", "chat",
 
 
 def _load_json(file, where):
-    raw = read_regular_file(file, max_bytes=MAX_TRACE_BYTES)
-
-    def no_constant(name):
-        raise ConversationError(f"{where}: holds {name}, which is not valid JSON.")
-
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=no_constant)
-    except UnicodeDecodeError as exc:
-        raise ConversationError(f"{where}: is not UTF-8 text ({exc.reason}).") from None
-    except json.JSONDecodeError as exc:
-        raise ConversationError(f"{where}: is not valid JSON ({exc.msg} at line "
-                                f"{exc.lineno}, column {exc.colno}).") from None
-    except RecursionError:
-        raise ConversationError(f"{where}: is nested too deeply.") from None
+        return read_json_file(file, max_bytes=MAX_TRACE_BYTES, where=where)
+    except ValueError as exc:
+        raise ConversationError(str(exc)) from None
 
 
 def _messages(doc):

@@ -26,7 +26,7 @@ import tempfile
 import numpy as np
 
 __all__ = ["atomic_write_bytes", "write_safetensors", "read_safetensors", "json_field",
-           "read_regular_file", "DIGEST_KEY"]
+           "read_regular_file", "read_json_file", "DIGEST_KEY"]
 
 #: Metadata key holding the SHA-256 digest of the rest of the file.
 DIGEST_KEY = "skafa_sha256"
@@ -134,6 +134,52 @@ def read_regular_file(path, *, max_bytes=None, follow_symlinks=True) -> bytes:
     finally:
         os.close(fd)
     return b"".join(chunks)
+
+
+def read_json_file(path, *, max_bytes, where=None):
+    """Read a JSON file someone else may have written: regular, bounded, strict JSON.
+
+    The file is read with :func:`read_regular_file` (regular files only, at most
+    ``max_bytes``); ``NaN``, ``Infinity`` and ``-Infinity``, which Python's
+    :mod:`json` accepts but JSON does not, are refused, as are text that is not
+    UTF-8 and nesting too deep to parse.
+
+    Parameters
+    ----------
+    path : str or path-like
+    max_bytes : int
+        A larger file is refused before it is read.
+    where : str, optional
+        Names the file in messages (default ``"file '<path>'"``).
+
+    Returns
+    -------
+    object
+        The parsed document.
+
+    Raises
+    ------
+    ValueError
+        Naming the file and what is wrong with it.
+    """
+    where = where or f"file {str(path)!r}"
+
+    def no_constant(name):
+        raise ValueError(f"{where}: holds {name}, which is not valid JSON.")
+
+    try:
+        raw = read_regular_file(path, max_bytes=max_bytes)
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot be read ({exc}).") from None
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=no_constant)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where}: is not UTF-8 text ({exc.reason}).") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: is not valid JSON ({exc.msg} at line {exc.lineno}, "
+                         f"column {exc.colno}).") from None
+    except RecursionError:
+        raise ValueError(f"{where}: is nested too deeply.") from None
 
 
 def _digest(tensors, metadata) -> str:

@@ -53,3 +53,30 @@ def test_read_safetensors_fuzz_only_value_errors(tmp_path, blob):
         read_safetensors(f)
     except ValueError:
         pass
+
+
+def test_read_json_file_refuses_what_json_does_not_allow(tmp_path):
+    import os
+
+    import pytest
+
+    from skafa.utils.fileio import read_json_file
+
+    p = tmp_path / "x.json"
+    p.write_text('{"a": [1, 2]}')
+    assert read_json_file(p, max_bytes=100) == {"a": [1, 2]}
+    for text, message in (('{"a": NaN}', "holds NaN"), ('{"a": -Infinity}', "-Infinity"),
+                          ('{"a": [1,', "not valid JSON"), ("[" * 100_000, "nested too deeply|not valid")):
+        p.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            read_json_file(p, max_bytes=10**6, where="trace 'x'")
+    p.write_bytes(b'"\xff"')
+    with pytest.raises(ValueError, match="not UTF-8"):
+        read_json_file(p, max_bytes=100)
+    p.write_text("[" + "1," * 100 + "1]")
+    with pytest.raises(ValueError, match="more than the 50 bytes"):
+        read_json_file(p, max_bytes=50)
+    link = tmp_path / "zero.json"
+    os.symlink("/dev/zero", link)
+    with pytest.raises(ValueError, match="not a regular file"):
+        read_json_file(link, max_bytes=100)
