@@ -114,19 +114,8 @@ def coral(X_source, X_target, *, regularization=1.0):
     """
     if not isinstance(regularization, numbers.Real) or regularization <= 0:
         raise ValueError(f"regularization={regularization!r}; expected a float > 0.")
-    S = standardize_per_framework(X_source)
-    T = standardize_per_framework(X_target)
-    Vs, Vt = _dense(S, "X_source"), _dense(T, "X_target")
-    if Vs.shape[1:] != Vt.shape[1:]:
-        raise ValueError(f"X_source has {Vs.shape[1]} site(s) x {Vs.shape[2]} features; "
-                         f"X_target has {Vt.shape[1]} x {Vt.shape[2]}.")
-    out = np.empty_like(Vs)
-    eye = regularization * np.eye(Vs.shape[2])
-    for j in range(Vs.shape[1]):
-        Cs = np.cov(Vs[:, j], rowvar=False) + eye
-        Ct = np.cov(Vt[:, j], rowvar=False) + eye
-        out[:, j] = Vs[:, j] @ _sqrtm(Cs, inverse=True) @ _sqrtm(Ct)
-    return S.with_values(out.reshape(np.shape(S.values))), T
+    adapter = CoralAdapter(regularization=regularization)
+    return adapter.fit_transform(X_source, target_X=X_target), adapter.transform(X_target)
 
 
 def label_priority(turn_proba, offsets):
@@ -272,7 +261,7 @@ class CoralAdapter(TurnInputMixin, BaseEstimator):
         Zs = self._fit(X, target_X)
         X = check_turn_features(X, self)
         out = np.einsum("tsf,sfg->tsg", Zs, self.coloring_)
-        return X.with_values(out.reshape(np.shape(X.values)).astype(np.float32))
+        return X.with_values(out.reshape(np.shape(X.values)))
 
     def transform(self, X):
         """Standardise runs of the target framework with its statistics.
@@ -297,4 +286,4 @@ class CoralAdapter(TurnInputMixin, BaseEstimator):
         # any subset of the fitted sites (a predictor reading only its own sites)
         idx = [self.sites_.index(s) for s in X.sites]
         out = (V - self.target_mean_[idx]) / self.target_scale_[idx]
-        return X.with_values(out.reshape(np.shape(X.values)).astype(np.float32))
+        return X.with_values(out.reshape(np.shape(X.values)))
