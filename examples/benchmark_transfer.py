@@ -46,15 +46,13 @@ def parse_args(argv=None):
 
 
 def _features(args):
-    from skafa import TurnActivationTransformer, configurations
-    from skafa.benchmarks import MainJobSettings, prepare_main_job
+    from skafa import configurations
+    from skafa.benchmarks import MainJobSettings, main_job_extractor, prepare_main_job
 
     job = prepare_main_job(MainJobSettings(data=args.data, subset="all", model=args.model,
                                            cache_dir=args.cache_dir, dtype=args.dtype),
                            log=log)
-    extractor = TurnActivationTransformer(
-        args.model, sites=None, read=job.read, prompt=job.template, dtype=args.dtype,
-        cache_dir=args.cache_dir, batch_size=1, verbose=1).fit(job.conversations)
+    extractor = main_job_extractor(job)
     left = extractor.estimate_cost(job.conversations, calibrate=False)
     if left["n_to_extract"]:
         log(f"note: {left['n_to_extract']} conversations are not cached yet; extracting them")

@@ -27,15 +27,12 @@ def main(argv=None):
     p.add_argument("--result", default=str(REPO / "docs" / "results" / "transfer_smollm2.json"),
                    help="the transfer study's result file (its chosen sites)")
     args = p.parse_args(argv)
-    from skafa import TurnActivationTransformer
-    from skafa.benchmarks import MainJobSettings, prepare_main_job
+    from skafa.benchmarks import MainJobSettings, main_job_extractor, prepare_main_job
     from skafa.domain import ShiftDetector
 
     job = prepare_main_job(MainJobSettings(data=args.data, subset="all", model="smollm2",
                                            cache_dir=args.cache_dir))
-    ex = TurnActivationTransformer("smollm2", sites=None, read=job.read, prompt=job.template,
-                                   cache_dir=args.cache_dir, batch_size=1).fit(job.conversations)
-    X = ex.transform(job.conversations).select_sites(job.sites)
+    X = main_job_extractor(job, verbose=0).transform(job.conversations).select_sites(job.sites)
     fw = np.array([str(c.record_id).split("/")[0] for c in job.conversations])
     result = json.loads(Path(args.result).read_text())
     for key, d in result["directions"].items():

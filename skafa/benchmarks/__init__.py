@@ -37,6 +37,7 @@ from ._locators import (
 from ._main_job import (
     MainJob,
     MainJobSettings,
+    main_job_extractor,
     main_job_table,
     prepare_main_job,
     run_main_job,
@@ -137,6 +138,7 @@ __all__ = [
     "judge_from_result",
     "judge_predictions",
     "earlier_judge_store",
+    "main_job_extractor",
     "main_job_table",
     "measure_peak_memory",
     "mi4afa_activations",

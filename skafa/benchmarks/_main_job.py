@@ -546,6 +546,31 @@ def _plot_anytime(doc, path, log):
     return path
 
 
+def main_job_extractor(job, *, verbose=1):
+    """The main job's extractor, fitted: every site, its read, prompt and cache.
+
+    Studies that read the main job's cached activations (``examples/benchmark_transfer.py``,
+    ``examples/shift_tails.py``) build it here, so their cache keys are the main job's.
+
+    Parameters
+    ----------
+    job : MainJob
+        From :func:`prepare_main_job`.
+    verbose : int, default=1
+
+    Returns
+    -------
+    TurnActivationTransformer
+    """
+    from ..llm import TurnActivationTransformer
+
+    s = job.settings
+    return TurnActivationTransformer(
+        s.model, sites=None, read=job.read, prompt=job.template, device=s.device,
+        dtype=s.dtype, cache_dir=s.cache_dir or None, batch_size=s.batch_size,
+        verbose=verbose).fit(job.conversations)
+
+
 def _extract(job, log):
     """Every site of every conversation, once, through the cache (resumable), in a
     seeded random order with interim estimates (:class:`_Anytime`).
@@ -553,14 +578,9 @@ def _extract(job, log):
     Returns the activations of all conversations in input order and the anytime
     state (the plan's cost estimate alone with ``plan_only``).
     """
-    from ..llm import TurnActivationTransformer
-
     s, convs = job.settings, job.conversations
     t = time.perf_counter()
-    extractor = TurnActivationTransformer(
-        s.model, sites=None, read=job.read, prompt=job.template, device=s.device,
-        dtype=s.dtype, cache_dir=s.cache_dir or None, batch_size=s.batch_size, verbose=1,
-    ).fit(convs)
+    extractor = main_job_extractor(job)
     estimate = extractor.estimate_cost(convs)
     _say(log, f"extraction plan: all {len(extractor.sites_)} sites of {len(convs)} "
               f"conversations, one forward pass each; {estimate['summary']}.")
